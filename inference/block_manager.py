@@ -1,0 +1,195 @@
+"""Paged KV cache bookkeeping: which physical block holds which tokens of which sequence.
+
+Pure Python, no torch. The KV tensors themselves live in the model runner; this module
+only hands out block ids. Vocabulary:
+
+- ``find_cached_prefix(seq)``: the longest run of full blocks of ``seq`` already in the
+  cache (prefix caching by chained hashes), never the whole sequence: its last token must
+  be computed to produce logits.
+- ``allocate(seq, num_new_tokens, cached_blocks)``: make room for the next tokens; all or
+  nothing, so a failed call changes nothing.
+- ``cache_full_blocks(seq)``: publish the hashes of blocks that the step just filled.
+- ``free(seq)``: drop the sequence's references; blocks whose count reaches zero join the
+  free list but keep their contents and hash until reused (LRU eviction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from inference.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained: a block's hash covers every token before it, so equal hashes mean equal
+    prefixes. Token ids are compared on lookup too, so a collision cannot corrupt output."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first is reused first. Blocks holding cached
+        # content go to the back when freed; empty ones to the front.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of those, served from the cache
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences (vllm:kv_cache_usage_perc)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix caching --------------------------------------------------------------
+    def _update_block_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
+        size = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (empty if none)."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_block_hashes(seq)
+        size = self.block_size
+        max_blocks = (seq.num_tokens - 1) // size  # leave at least one token to compute
+        found: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.hash_to_block_id.get(seq.block_hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(seq.token_ids[i * size : (i + 1) * size]):
+                break
+            found.append(block_id)
+        return found
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish blocks that are now full of computed tokens for later reuse."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full == 0:
+            return
+        self._update_block_hashes(seq)
+        size = self.block_size
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            if h in self.hash_to_block_id:
+                continue  # same content already cached in another block
+            block.hash = h
+            block.token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
+            self.hash_to_block_id[h] = block.block_id
+
+    # -- allocation ------------------------------------------------------------------
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens after what it has computed
+        (after the cached prefix, if given). Returns False, changing nothing, if the free
+        blocks do not suffice."""
+        cached_blocks = cached_blocks or []
+        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_needed = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_needed - len(seq.block_table) - len(cached_blocks)
+        # Cached blocks that nobody references sit in the free list: taking them costs
+        # free blocks too.
+        num_revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if max(num_new_blocks, 0) + num_revived > self.num_free_blocks:
+            return False
+        if not seq.block_table and seq.num_computed_tokens == 0:
+            self._record_prefix_lookup(seq, len(cached_blocks))
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = num_computed
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _record_prefix_lookup(self, seq: Sequence, num_cached_blocks: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        num_hit = num_cached_blocks * self.block_size
+        seq.num_cached_tokens = max(seq.num_cached_tokens, num_hit)
+        # Count prompts once: a resumed (preempted) sequence is not a new query.
+        if seq.num_preemptions == 0:
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += num_hit
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            # Evict: this block's old content is no longer findable.
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, last block first, so that on eviction a
+        sequence's tail goes before its (more shareable) prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.hash is None:
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+
+    # -- consistency (used by tests) ---------------------------------------------------
+    def check_invariants(self, live_seqs: list[Sequence]) -> None:
+        counts = [0] * self.num_blocks
+        for seq in live_seqs:
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+        for block in self.blocks:
+            if block.ref_count != counts[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count} "
+                    f"but referenced {counts[block.block_id]} times"
+                )
+            if (block.ref_count == 0) != (block.block_id in self.free_block_ids):
+                raise AssertionError(f"block {block.block_id}: free list disagrees")
+        for h, block_id in self.hash_to_block_id.items():
+            if self.blocks[block_id].hash != h:
+                raise AssertionError(f"hash index points at block {block_id} of another hash")

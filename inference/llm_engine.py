@@ -1,0 +1,440 @@
+"""The step loop: schedule -> run -> sample -> update.
+
+A request's life, top to bottom:
+  ``add_request``  validates and tokenizes, creates ``n`` sequences, queues them;
+  ``step``         the scheduler picks this step's tokens (``Scheduler.schedule``), the model
+                   runner computes them and samples for sequences whose tokens are all
+                   computed (``ModelRunner.execute``), then each new token is appended,
+                   detokenized and checked against the stop conditions (``_process_token``);
+                   finished sequences give their KV blocks back (``Scheduler.finish``);
+  ``abort_request`` frees a request's blocks at any point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference.block_manager import BlockManager
+from inference.config import EngineConfig
+from inference.detokenizer import IncrementalDetokenizer
+from inference.model_files import resolve_model
+from inference.model_runner import ModelRunner
+from inference.models.config import ModelConfig
+from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from inference.sampler import RowLogprobs, SamplingMetadata
+from inference.sampling_params import SamplingParams
+from inference.scheduler import Scheduler
+from inference.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_name = config.served_model_name or self.model_path.name
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
+        self.device = _resolve_device(config)
+        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        _resolve_lengths(config, self.model_config, self.device)
+        torch.manual_seed(config.seed)
+
+        self.runner = ModelRunner(
+            config, self.model_config, str(self.model_path), self.device, self.dtype
+        )
+        num_blocks = self.runner.determine_num_blocks()
+        _check_capacity(config, num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.num_total_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+            "max_model_len=%d: %.1f", num_blocks, config.block_size,
+            num_blocks * config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
+            config.max_model_len, num_blocks * config.block_size / config.max_model_len,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, _Request] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._next_seq_id = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+
+    # -- intake ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError, changing nothing, on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        params.validate()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_len = self.config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}: "
+                "the prompt must leave room for at least one generated token"
+            )
+        if params.max_tokens is None:
+            params.max_tokens = max_len - len(prompt_ids)
+        elif len(prompt_ids) + params.max_tokens > max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt_ids) + params.max_tokens} exceeds max_model_len ({max_len})"
+            )
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})"
+            )
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        params.all_stop_token_ids = eos | set(params.stop_token_ids)
+
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        seqs, detoks = [], []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + index)
+            seq = Sequence(
+                self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator
+            )
+            self._next_seq_id += 1
+            seqs.append(seq)
+            detoks.append(
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                if params.detokenize
+                else None
+            )
+        self.requests[request_id] = _Request(
+            request_id, prompt_text, prompt_ids, params, seqs, detoks, arrival_time
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return None, ids
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "abort"
+            self._pending_outputs.append(self._make_output(request))
+
+    # -- the loop ----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        now = time.time()
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        self.computed_tokens_total += batch.num_batched_tokens
+        sample_rows = [
+            row for row, (s, n) in enumerate(zip(seqs, counts))
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        sampled = self.runner.execute(seqs, counts, sample_rows, self._sampling_metadata(
+            [seqs[row] for row in sample_rows]
+        ))
+        for seq, n in zip(seqs, counts):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        touched: dict[str, _Request] = {}
+        now = time.time()
+        for i, row in enumerate(sample_rows):
+            seq = seqs[row]
+            request = self.requests[seq.request_id]
+            self._process_token(request, seq, sampled.token_ids[i], sampled.logprobs[i], now)
+            touched[request.request_id] = request
+        for request in touched.values():
+            outputs.append(self._make_output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        # Token histories only for rows whose sampling reads them (penalties, min_tokens):
+        # copying every sequence's tokens every step would cost more than the step.
+        prompts, outputs = [], []
+        for seq in seqs:
+            p = seq.params
+            penalized = (
+                p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+            )
+            needs_output = penalized or seq.num_output_tokens < p.min_tokens
+            prompts.append(seq.prompt_token_ids if p.repetition_penalty != 1.0 else [])
+            outputs.append(seq.output_token_ids if needs_output else [])
+        return SamplingMetadata(
+            params=[s.params for s in seqs],
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            generators=[s.generator for s in seqs],
+        )
+
+    def _process_token(
+        self,
+        request: _Request,
+        seq: Sequence,
+        token_id: int,
+        row_logprobs: RowLogprobs | None,
+        now: float,
+    ) -> None:
+        seq.append_token(token_id)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.prompt_tokens_total += seq.num_prompt_tokens
+        seq.last_token_time = now
+        if row_logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(token_id, row_logprobs))
+            seq.cumulative_logprob += row_logprobs.sampled_logprob
+        detok = request.detokenizers[seq.index]
+        p = seq.params
+        is_eos = token_id in self.eos_token_ids and not p.ignore_eos
+        # EOS never enters the text; it stays in token_ids, as in vLLM.
+        if detok is not None and not is_eos:
+            detok.add(token_id)
+        finish, reason = self._check_stop(seq, token_id, is_eos, detok)
+        if finish is not None:
+            seq.finish_reason, seq.stop_reason = finish, reason
+            self.scheduler.finish(seq)
+
+    def _check_stop(self, seq: Sequence, token_id: int, is_eos: bool, detok):
+        p = seq.params
+        num_out = seq.num_output_tokens
+        if num_out >= p.min_tokens:
+            if is_eos:
+                return "stop", None
+            if token_id in p.stop_token_ids:
+                return "stop", token_id
+            if p.stop and detok is not None:
+                stop_str = _truncate_at_stop(detok, p.stop, p.include_stop_str_in_output)
+                if stop_str is not None:
+                    return "stop", stop_str
+        if num_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None
+
+    def _logprob_dict(self, token_id: int, row: RowLogprobs) -> dict[int, Logprob]:
+        entry = {
+            tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, lp) in enumerate(zip(row.top_token_ids, row.top_logprobs))
+        }
+        if token_id not in entry:
+            entry[token_id] = Logprob(
+                row.sampled_logprob, row.sampled_rank, self.tokenizer.decode([token_id])
+            )
+        return entry
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        wants_logprobs = request.params.logprobs is not None
+        completions = []
+        for seq, detok in zip(request.seqs, request.detokenizers):
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text if detok is not None else "",
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                    logprobs=list(seq.logprobs) if wants_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = request.seqs[0]
+        finished = request.finished
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=max((s.last_token_time or 0.0) for s in request.seqs) or None,
+            finished_time=time.time() if finished else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    # -- observability -----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=bm.prefix_cache_queries,
+            prefix_cache_hits_total=bm.prefix_cache_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+
+def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], include: bool):
+    """If the text now contains a stop string, cut the text there and return the string."""
+    text = detok.text
+    longest = max(len(s) for s in stops)
+    # Only the newest characters can complete a stop string not seen before.
+    search_from = max(0, len(text) - longest - 16)
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, search_from)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    if best is None:
+        return None
+    idx, stop = best
+    detok.text = text[: idx + len(stop)] if include else text[:idx]
+    return stop
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
+    ids = set(cfg.eos_token_ids)
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids |= {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _resolve_device(config: EngineConfig) -> torch.device:
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; use 1"
+        )
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    config_dtype = _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16)
+    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+
+
+def _resolve_lengths(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+
+
+def _check_capacity(config: EngineConfig, num_blocks: int) -> None:
+    capacity = num_blocks * config.block_size
+    if capacity < config.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+            f"{config.block_size}), fewer than max_model_len={config.max_model_len}: one "
+            "request could never finish. Lower max_model_len or give the cache more memory "
+            "(gpu_memory_utilization, num_kv_blocks)."
+        )

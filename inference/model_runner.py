@@ -1,0 +1,178 @@
+"""Turns a scheduled batch into tensors, runs the model, samples.
+
+Owns the model weights and the KV cache tensors: one (key, value) pair per layer, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; the block ids handed out by the
+block manager index their first dimension.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from inference.config import EngineConfig
+from inference.layers.attention_metadata import AttentionMetadata
+from inference.models.config import ModelConfig
+from inference.models.loader import load_model
+from inference.sampler import Sampler, SamplerOutput, SamplingMetadata
+from inference.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        start = time.perf_counter()
+        self.model = load_model(model_path, model_config, dtype, device, config.max_model_len)
+        self.load_seconds = time.perf_counter() - start
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # -- KV cache sizing ---------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        # On CPU: a fixed budget, and no more than the configured batch could ever use.
+        budget_blocks = int(self.config.cpu_kv_cache_gib * _GIB) // self.bytes_per_block
+        blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+        return max(1, min(budget_blocks, self.config.max_num_seqs * blocks_per_seq))
+
+    def _profile_gpu_blocks(self) -> int:
+        """Run the largest step the scheduler can produce, measure the peak, and give the
+        rest of ``gpu_memory_utilization`` of the card to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.max_num_batched_tokens
+        scratch_blocks = -(-num_tokens // self.block_size) + 1
+        self.allocate_kv_cache(scratch_blocks)
+        scratch_bytes = scratch_blocks * self.bytes_per_block
+        self.profile_run(num_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held outside torch's allocator (CUDA context, NCCL, other processes).
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - max(non_torch, 0)
+        num_blocks = int(budget // self.bytes_per_block)
+        logger.info(
+            "memory profile: peak activations+weights %.2f GiB, other %.2f GiB, KV budget "
+            "%.2f GiB", peak / _GIB, non_torch / _GIB, budget / _GIB,
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}: the model and a step of "
+                f"{num_tokens} tokens need {peak / _GIB:.2f} GiB of {total / _GIB:.2f} GiB"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward over ``num_tokens`` prompt tokens in a single sequence."""
+        max_blocks = -(-num_tokens // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(max_blocks, device=self.device, dtype=torch.int32)[None],
+            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            max_query_len=num_tokens,
+        )
+        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.config.max_model_len
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    # -- one step ----------------------------------------------------------------------
+    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        block_size = self.block_size
+        counts = np.asarray(num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        row_of_token = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
+        input_ids = np.fromiter(
+            (t for s, c, n in zip(seqs, starts, counts) for t in s.token_ids[c : c + n]),
+            np.int64,
+            total,
+        )
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            block_tables[row, : len(seq.block_table)] = seq.block_table
+        slot_mapping = (
+            block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+        seq_lens = (starts + counts).astype(np.int32)
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            block_tables=to_device(block_tables),
+            seq_lens=to_device(seq_lens),
+            query_start_loc=to_device(query_start_loc.astype(np.int32)),
+            max_query_len=int(counts.max()),
+        )
+        return to_device(input_ids), to_device(positions), meta, query_start_loc
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sample_rows: list[int],
+        sampling: SamplingMetadata,
+    ) -> SamplerOutput | None:
+        """Compute this step's tokens for every sequence; sample the next token for the
+        sequences at ``sample_rows`` (those whose last known token was computed)."""
+        input_ids, positions, meta, query_start_loc = self._prepare(seqs, num_new_tokens)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return None
+        last_token_rows = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last_token_rows])
+        return self.sampler(logits, sampling)

@@ -1,0 +1,57 @@
+"""Build a model and fill it from a Hugging Face folder's safetensors files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from inference.models import get_model_class
+from inference.models.config import ModelConfig
+from inference.models.llama import LlamaForCausalLM
+
+
+def iter_safetensors(folder: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors weights")
+    for name in files:
+        with safe_open(str(folder / name), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    folder: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+) -> LlamaForCausalLM:
+    folder = Path(folder)
+    cls = get_model_class(config)
+    # Parameters are created uninitialised, straight on the target device and dtype.
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config, max_position=max_position)
+    model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(folder, device))
+    return model.eval()

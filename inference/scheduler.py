@@ -1,0 +1,114 @@
+"""Continuous batching under a token budget (vLLM V1 style).
+
+There are no prefill and decode phases: every sequence simply has tokens the KV cache does
+not hold yet (``num_tokens - num_computed_tokens``): a whole prompt, the rest of a chunked
+prompt, a prompt plus outputs after preemption, or the one token sampled last step. Each
+step gives running sequences (oldest first) their share of ``max_num_batched_tokens``,
+then admits waiting ones in arrival order while budget, ``max_num_seqs`` and free blocks
+allow. When blocks run out, the newest running sequence is preempted: it drops its blocks
+and goes back to the front of the queue, to be recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference.block_manager import BlockManager
+from inference.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # A step that had to preempt admits nobody: the freed blocks go to the survivors.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not batch.preempted
+        ):
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached_tokens, budget)
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,83 @@
+"""One sequence's state: its tokens, how many of them the KV cache holds, its blocks.
+
+The scheduler thinks in ``num_computed_tokens`` versus ``num_tokens`` (vLLM V1): a fresh
+prompt, a prefill chunk, a decode step and a resumption after preemption are all "compute
+the tokens the cache does not hold yet". A request with ``n > 1`` owns ``n`` sequences.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.outputs import Logprob
+from inference.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    generator: torch.Generator | None = None
+
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = field(init=False, default=SequenceStatus.WAITING)
+    num_computed_tokens: int = field(init=False, default=0)
+    num_cached_tokens: int = field(init=False, default=0)  # prompt tokens served by the prefix cache
+    block_table: list[int] = field(init=False, default_factory=list)
+    # Hash of each full block of token_ids, for prefix caching; grows as blocks fill.
+    block_hashes: list[int] = field(init=False, default_factory=list)
+    finish_reason: str | None = field(init=False, default=None)
+    stop_reason: int | str | None = field(init=False, default=None)
+    logprobs: list[dict[int, Logprob]] = field(init=False, default_factory=list)
+    cumulative_logprob: float = field(init=False, default=0.0)
+    num_preemptions: int = field(init=False, default=0)
+    first_scheduled_time: float | None = field(init=False, default=None)
+    first_token_time: float | None = field(init=False, default=None)
+    last_token_time: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the KV cache forgets everything; tokens stay."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING

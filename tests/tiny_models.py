@@ -1,0 +1,113 @@
+"""Tiny random-weight models of every supported architecture, saved as Hugging Face
+folders with a small trained tokenizer, for comparing the engine against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests between decode steps.",
+    "Kubernetes runs containers; an operator reconciles custom resources.",
+    "Prefix caching reuses the blocks of a shared system prompt.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        CORPUS, vocab_size=vocab_size, min_frequency=1, special_tokens=["<s>", "</s>", "<pad>"]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return tok
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        initializer_range=0.2,
+    )
+    common.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 32)
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    return cls(**common)
+
+
+def build_tiny_model(folder: Path, arch: str, dtype=torch.float32, seed: int = 0, **overrides):
+    """Save a random ``arch`` model plus tokenizer into ``folder``; return the HF model."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(folder)
+    config = _config(arch, len(tok), **overrides)
+    torch.manual_seed(seed)
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
+    model = model_cls(config).to(dtype).eval()
+    if arch == "qwen2":
+        # Fresh models start with zero biases; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding effects)."""
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
+        outs.append(gen[0, len(prompt) :].tolist())
+    return outs
