@@ -29,7 +29,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
     num_kv_blocks: int | None = None  # pin the KV-cache size (blocks); None: size from memory
     cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where there is no memory profile
-    trust_remote_code: bool = False
+    load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,5 +68,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")

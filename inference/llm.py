@@ -93,9 +93,7 @@ class LLM:
                     raise ValueError(f"prompt {len(request_ids)}: {err}") from None
                 request_ids.append(request_id)
         except ValueError:
-            self.engine.abort_request(request_ids)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            self.engine.abort_request(request_ids)  # all or nothing
             raise
         return request_ids
 

@@ -157,7 +157,7 @@ class LLMEngine:
             seqs.append(seq)
             detoks.append(
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                if params.detokenize
+                if params.detokenize and self.tokenizer is not None
                 else None
             )
         self.requests[request_id] = _Request(
@@ -170,6 +170,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
             return prompt, self.tokenizer(prompt).input_ids
         ids = list(prompt)
         if not ids:
@@ -298,14 +300,17 @@ class LLMEngine:
 
     def _logprob_dict(self, token_id: int, row: RowLogprobs) -> dict[int, Logprob]:
         entry = {
-            tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+            tid: Logprob(lp, rank + 1, self._decode_one(tid))
             for rank, (tid, lp) in enumerate(zip(row.top_token_ids, row.top_logprobs))
         }
         if token_id not in entry:
             entry[token_id] = Logprob(
-                row.sampled_logprob, row.sampled_rank, self.tokenizer.decode([token_id])
+                row.sampled_logprob, row.sampled_rank, self._decode_one(token_id)
             )
         return entry
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, request: _Request) -> RequestOutput:
         wants_logprobs = request.params.logprobs is not None
@@ -376,9 +381,16 @@ def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], include: 
     return stop
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path):
+    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+        return None
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -389,7 +401,7 @@ def _eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if eos is not None:
             ids |= {eos} if isinstance(eos, int) else set(eos)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 

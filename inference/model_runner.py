@@ -40,7 +40,9 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         start = time.perf_counter()
-        self.model = load_model(model_path, model_config, dtype, device, config.max_model_len)
+        self.model = load_model(
+            model_path, model_config, dtype, device, config.max_model_len, config.load_format
+        )
         self.load_seconds = time.perf_counter() - start
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

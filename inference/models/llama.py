@@ -93,6 +93,7 @@ class DecoderLayer(nn.Module):
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
+            max_query_len=meta.max_query_len,
         )
         return nn.functional.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
 

@@ -45,6 +45,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_position: int,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     folder = Path(folder)
     cls = get_model_class(config)
@@ -53,5 +54,10 @@ def load_model(
         model = cls(config, max_position=max_position)
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     with torch.no_grad():
-        model.load_weights(iter_safetensors(folder, device))
+        if load_format == "dummy":
+            # Benchmarks of real model shapes: speed does not depend on the values.
+            for param in model.parameters():
+                param.normal_(0.0, 0.02)
+        else:
+            model.load_weights(iter_safetensors(folder, device))
     return model.eval()

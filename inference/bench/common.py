@@ -1,0 +1,123 @@
+"""Shared pieces of the benchmarks: named real-model shapes with random weights, and the
+result record every published run keeps (inference/bench/results/*.json)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Exact shapes of real models; their weights are random (speed does not depend on values).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 1536,
+        "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "eos_token_id": 151643,
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eos_token_id": 151643,
+    },
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eos_token_id": 128001,
+    },
+}
+
+
+def resolve_bench_model(model: str) -> tuple[str, dict[str, Any]]:
+    """A named shape becomes a folder holding only its config.json, loaded with random
+    weights; anything else is a model folder loaded as usual."""
+    if model in SHAPES:
+        folder = Path(tempfile.mkdtemp(prefix=f"pagoda-{model}-"))
+        (folder / "config.json").write_text(json.dumps(SHAPES[model]))
+        return str(folder), {"load_format": "dummy"}
+    return model, {}
+
+
+def hardware() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    except ImportError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def record(workload: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "workload": workload,
+        **fields,
+        "hardware": hardware(),
+        "commit": commit(),
+        "command": " ".join(["pagoda", *sys.argv[1:]]) if sys.argv else "",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_json(path: str | None, result: dict[str, Any] | list[dict[str, Any]]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def add_engine_args(parser) -> None:
+    parser.add_argument("--model", default="qwen2.5-1.5b",
+                        help=f"model folder or a named shape: {', '.join(SHAPES)}")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-enable-prefix-caching", action="store_true")
+    parser.add_argument("--output-json", default=None)
+
+
+def engine_kwargs(args, max_len_needed: int) -> dict[str, Any]:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len or max_len_needed,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_enable_prefix_caching,
+    )
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # Stay clear of the lowest ids, where special tokens usually live.
+    low = 1000 if vocab_size > 4000 else 3
+    return rng.integers(low, vocab_size - low, size=(num, length)).tolist()

@@ -1,0 +1,86 @@
+"""``pagoda``: serve a model, benchmark it, or ask it one question.
+
+  pagoda serve [MODEL] [--port 8000 ...]     OpenAI-compatible server (vLLM flag names)
+  pagoda bench throughput|latency|serve ...  the numbers people quote
+  pagoda chat "question" [--model MODEL]     one answer through the offline API
+  pagoda convert-default-model               prepare the embedded SmolLM2 folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from inference import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    out = llm.chat([{"role": "user", "content": args.question}], params, use_tqdm=False)[0]
+    print(f"> {args.question}\n{out.outputs[0].text.strip()}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from inference.model_files import ensure_default_model
+
+    print(ensure_default_model(force=args.force))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from inference.bench.latency import add_latency_args, run_latency
+    from inference.bench.serve import add_bench_serve_args, run_bench_serve
+    from inference.bench.throughput import add_throughput_args, run_throughput
+    from inference.server.cli_serve import add_serve_args, run_serve
+
+    parser = argparse.ArgumentParser(prog="pagoda", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    serve.set_defaults(func=run_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_throughput_args(bench.add_parser("throughput", help="offline output tok/s")).set_defaults(
+        func=run_throughput
+    )
+    add_latency_args(bench.add_parser("latency", help="batch latency, TTFT, TPOT")).set_defaults(
+        func=run_latency
+    )
+    add_bench_serve_args(
+        bench.add_parser("serve", help="load an OpenAI-compatible server")
+    ).set_defaults(func=run_bench_serve)
+
+    chat = sub.add_parser("chat", help="answer one question with the offline API")
+    chat.add_argument("question", nargs="?", default="What is the capital of France?")
+    chat.add_argument("--model", default="default")
+    chat.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    chat.add_argument("--max-model-len", type=int, default=2048)
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.set_defaults(func=_chat)
+
+    convert = sub.add_parser("convert-default-model", help="prepare the embedded model folder")
+    convert.add_argument("--force", action="store_true")
+    convert.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # bad user input: a message, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
