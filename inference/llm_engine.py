@@ -86,10 +86,21 @@ class LLMEngine:
         self.runner = ModelRunner(
             config, self.model_config, str(self.model_path), self.device, self.dtype
         )
+        t0 = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks()
+        t1 = time.perf_counter()
         _check_capacity(config, num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
+        t2 = time.perf_counter()
+        capture_s = self.runner.capture_decode_graphs()
         self.num_total_blocks = num_blocks
+        self.startup_phases = {
+            "load_s": round(self.runner.load_seconds, 2),
+            "profile_s": round(t1 - t0, 2),
+            "allocate_s": round(t2 - t1, 2),
+            "capture_s": round(capture_s, 2),
+        }
+        logger.info("start-up by phase: %s", self.startup_phases)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
             "max_model_len=%d: %.1f", num_blocks, config.block_size,

@@ -47,6 +47,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     # -- KV cache sizing ---------------------------------------------------------------
     @property
@@ -161,6 +162,14 @@ class ModelRunner:
         )
         return to_device(input_ids), to_device(positions), meta, query_start_loc
 
+    def capture_decode_graphs(self) -> float:
+        """CUDA graphs for decode steps; returns seconds spent. No-op on CPU or eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0.0
+        start = time.perf_counter()
+        self.decode_graphs = DecodeGraphs(self)
+        return time.perf_counter() - start
+
     @torch.inference_mode()
     def execute(
         self,
@@ -171,10 +180,97 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Compute this step's tokens for every sequence; sample the next token for the
         sequences at ``sample_rows`` (those whose last known token was computed)."""
-        input_ids, positions, meta, query_start_loc = self._prepare(seqs, num_new_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(seqs, num_new_tokens):
+            hidden = graphs.run(seqs)
+            query_start_loc = np.arange(len(seqs) + 1)
+        else:
+            input_ids, positions, meta, query_start_loc = self._prepare(seqs, num_new_tokens)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return None
         last_token_rows = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last_token_rows])
         return self.sampler(logits, sampling)
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucketed batch size for pure-decode steps (one new token per
+    sequence): a step replays a recorded graph instead of launching every kernel from
+    Python. Inputs live in static buffers that each step overwrites in place; a batch is
+    padded up to the next bucket with rows that write nowhere (slot -1) and attend to one
+    token, whose outputs are ignored."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        cfg = runner.config
+        device = runner.device
+        max_bs = cfg.max_num_seqs
+        self.batch_sizes = sorted(
+            {b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
+                         384, 448, 512) if b <= max_bs} | {max_bs}
+        )
+        max_blocks = -(-cfg.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):  # largest first: it sizes the shared pool
+                meta = self._meta(bs)
+                args = (self.input_ids[:bs], self.positions[:bs], runner.kv_caches, meta)
+                runner.model(*args)  # compile/warm every kernel outside the capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = runner.model(*args)
+                self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(device)
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            max_query_len=1,
+        )
+
+    def fits(self, seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
+        return len(seqs) <= self.batch_sizes[-1] and all(n == 1 for n in num_new_tokens)
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        n = len(seqs)
+        bs = next(b for b in self.batch_sizes if b >= n)
+        block_size = self.runner.block_size
+        positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        token_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, width), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        slots = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        # One host buffer, one copy per field; padded rows get harmless values.
+        padded = np.zeros((4, bs), dtype=np.int64)
+        padded[0, :n] = token_ids
+        padded[1, :n] = positions
+        padded[2, :] = -1
+        padded[2, :n] = slots
+        padded[3, :] = 1
+        padded[3, :n] = positions + 1
+        staged = torch.from_numpy(padded).pin_memory().to(self.runner.device, non_blocking=True)
+        self.input_ids[:bs].copy_(staged[0])
+        self.positions[:bs].copy_(staged[1])
+        self.slot_mapping[:bs].copy_(staged[2])
+        self.seq_lens[:bs].copy_(staged[3])
+        self.block_tables[:n, :width].copy_(
+            torch.from_numpy(tables).pin_memory().to(self.runner.device, non_blocking=True)
+        )
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:n]

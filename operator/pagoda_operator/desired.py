@@ -1,0 +1,352 @@
+"""The objects an LLMDeployment should own, as plain dicts: LLMDeployment in, manifests out.
+
+Each desired object carries the hash of its own content in an annotation, so the reconciler
+can tell "already as desired" from "needs an update" by comparing one string.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from typing import Any
+
+from pagoda_operator import constants as c
+from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.spec import model_source, with_defaults
+
+MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+STARTUP_PROBE_PERIOD_SECONDS = 10
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {c.LABEL_NAME: c.ENGINE_APP_NAME, c.LABEL_OWNER: name}
+
+
+def selector_string(name: str) -> str:
+    """The pod selector in the string form the scale subresource reports."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        c.LABEL_INSTANCE: name,
+        c.LABEL_COMPONENT: "inference",
+        c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
+    }
+
+
+def owner_reference(llmd: dict[str, Any]) -> dict[str, Any]:
+    """Makes the garbage collector delete the object together with its LLMDeployment."""
+    meta = llmd["metadata"]
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def config_hash(obj: dict[str, Any]) -> str:
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _finish(llmd: dict[str, Any], api_version: str, kind: str, body: dict[str, Any]) -> dict:
+    """Wraps a spec-level body into a complete object with metadata and its config hash."""
+    name = llmd["metadata"]["name"]
+    obj = {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": llmd["metadata"]["namespace"],
+            "labels": common_labels(name),
+            "annotations": {},
+            "ownerReferences": [owner_reference(llmd)],
+        },
+        **body,
+    }
+    obj["metadata"]["annotations"][c.ANNOTATION_CONFIG_HASH] = config_hash(obj)
+    return obj
+
+
+def desired_objects(
+    llmd: dict[str, Any], *, service_monitor_api: bool, default_image: str = c.DEFAULT_ENGINE_IMAGE
+) -> list[dict[str, Any]]:
+    """Everything this LLMDeployment should own right now, in the order to apply it."""
+    spec = with_defaults(llmd.get("spec") or {})
+    objects = [
+        desired_deployment(llmd, spec, default_image),
+        desired_service(llmd, spec),
+    ]
+    if effective_max_replicas(spec) > 1:
+        objects.append(desired_pod_disruption_budget(llmd))
+    if spec["autoscaling"]["enabled"]:
+        objects.append(desired_autoscaler(llmd, spec))
+    if service_monitor_api:
+        objects.append(desired_service_monitor(llmd))
+    return objects
+
+
+def effective_replicas(spec: dict[str, Any]) -> int:
+    """spec.replicas, held inside the autoscaling bounds when autoscaling is on."""
+    replicas = int(spec["replicas"])
+    autoscaling = spec["autoscaling"]
+    if autoscaling["enabled"]:
+        return min(max(replicas, autoscaling["minReplicas"]), autoscaling["maxReplicas"])
+    return replicas
+
+
+def effective_max_replicas(spec: dict[str, Any]) -> int:
+    autoscaling = spec["autoscaling"]
+    return autoscaling["maxReplicas"] if autoscaling["enabled"] else int(spec["replicas"])
+
+
+def desired_deployment(llmd: dict[str, Any], spec: dict[str, Any], default_image: str) -> dict:
+    name = llmd["metadata"]["name"]
+    startup_timeout = int(spec["startupTimeoutSeconds"])
+    body = {
+        "spec": {
+            "replicas": effective_replicas(spec),
+            "selector": {"matchLabels": selector_labels(name)},
+            # Surge, not unavailability: a replica keeps serving until its successor is ready.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "progressDeadlineSeconds": startup_timeout + 600,
+            "template": {
+                "metadata": {
+                    "labels": common_labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(c.ENGINE_PORT),
+                        "prometheus.io/path": c.METRICS_PATH,
+                    },
+                },
+                "spec": pod_spec(spec, default_image),
+            },
+        }
+    }
+    return _finish(llmd, "apps/v1", "Deployment", body)
+
+
+def pod_spec(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        # The engine never talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": c.ENGINE_USER_ID,
+            "runAsGroup": c.ENGINE_USER_ID,
+            "fsGroup": c.ENGINE_USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [engine_container(spec, default_image)],
+        "volumes": volumes(spec),
+    }
+    for field in ("nodeSelector", "tolerations", "affinity", "runtimeClassName"):
+        if spec.get(field):
+            pod[field] = copy.deepcopy(spec[field])
+    if spec.get("imagePullSecrets"):
+        pod["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
+    return pod
+
+
+def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.get("image") or default_image,
+        "command": ["pagoda"],
+        "args": serve_args(spec),
+        "ports": [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}],
+        "env": engine_env(spec),
+        "resources": container_resources(spec),
+        "volumeMounts": volume_mounts(spec),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        **probes(int(spec["startupTimeoutSeconds"])),
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def probes(startup_timeout_seconds: int) -> dict[str, Any]:
+    """Startup allows a whole model load; after that, liveness only catches a wedged process."""
+
+    def http_get(path: str) -> dict[str, Any]:
+        return {"path": path, "port": c.ENGINE_PORT_NAME}
+
+    return {
+        "startupProbe": {
+            "httpGet": http_get(c.HEALTH_PATH),
+            "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS),
+        },
+        "readinessProbe": {
+            "httpGet": http_get(c.READY_PATH),
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": http_get(c.HEALTH_PATH),
+            "periodSeconds": 15,
+            "timeoutSeconds": 10,
+            "failureThreshold": 4,
+        },
+    }
+
+
+def engine_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    secret_ref = spec["engine"].get("apiKeySecretRef")
+    if secret_ref:
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {
+                    "secretKeyRef": {"name": secret_ref["name"], "key": secret_ref["key"]}
+                },
+            }
+        )
+    env += copy.deepcopy(spec.get("env") or [])
+    return env
+
+
+def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
+    resources = copy.deepcopy(spec.get("resources") or {})
+    gpus = gpu_count(spec)
+    if gpus:
+        # Extended resources must have requests equal to limits.
+        resources.setdefault("limits", {})[c.GPU_RESOURCE] = gpus
+        resources.setdefault("requests", {})[c.GPU_RESOURCE] = gpus
+    return resources
+
+
+def shm_size(spec: dict[str, Any]) -> str:
+    """NCCL moves tensors between ranks through /dev/shm; one rank needs little of it."""
+    explicit = spec["engine"].get("shmSize")
+    if explicit:
+        return str(explicit)
+    return "1Gi" if spec["engine"]["tensorParallelSize"] == 1 else "16Gi"
+
+
+def volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = [
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}}
+    ]
+    kind, source = model_source(spec)
+    if kind == "pvc":
+        result.append(
+            {
+                "name": MODEL_VOLUME,
+                "persistentVolumeClaim": {
+                    "claimName": source["claimName"],
+                    "readOnly": source.get("readOnly", True),
+                },
+            }
+        )
+    elif kind == "hostPath":
+        result.append(
+            {
+                "name": MODEL_VOLUME,
+                "hostPath": {"path": source["path"], "type": source.get("type", "Directory")},
+            }
+        )
+    return result
+
+
+def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    kind, source = model_source(spec)
+    if kind in ("pvc", "hostPath"):
+        mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT_PATH, "readOnly": True}
+        if kind == "pvc" and source.get("subPath"):
+            mount["subPath"] = source["subPath"]
+        mounts.append(mount)
+    return mounts
+
+
+def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = llmd["metadata"]["name"]
+    body = {
+        "spec": {
+            "type": spec["service"]["type"],
+            "selector": selector_labels(name),
+            "ports": [
+                {
+                    "name": c.ENGINE_PORT_NAME,
+                    "port": c.ENGINE_PORT,
+                    "targetPort": c.ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        }
+    }
+    return _finish(llmd, "v1", "Service", body)
+
+
+def desired_pod_disruption_budget(llmd: dict[str, Any]) -> dict[str, Any]:
+    name = llmd["metadata"]["name"]
+    body = {"spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+    return _finish(llmd, "policy/v1", "PodDisruptionBudget", body)
+
+
+def desired_service_monitor(llmd: dict[str, Any]) -> dict[str, Any]:
+    name = llmd["metadata"]["name"]
+    body = {
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "endpoints": [{"port": c.ENGINE_PORT_NAME, "path": c.METRICS_PATH, "interval": "15s"}],
+        }
+    }
+    return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body)
+
+
+def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """An HPA on the LLMDeployment's scale subresource, fed by the engine's queue metrics.
+
+    The metric names are the vLLM ones with ':' turned into '_', as a prometheus-adapter
+    rule exposes them through the custom metrics API.
+    """
+    autoscaling = spec["autoscaling"]
+    metrics = [_pods_metric("vllm_num_requests_waiting", str(autoscaling["targetRequestsWaiting"]))]
+    if autoscaling.get("targetKVCacheUsage") is not None:
+        usage_milli = round(float(autoscaling["targetKVCacheUsage"]) * 1000)
+        metrics.append(_pods_metric("vllm_kv_cache_usage_perc", f"{usage_milli}m"))
+    body = {
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": c.API_VERSION,
+                "kind": c.KIND,
+                "name": llmd["metadata"]["name"],
+            },
+            "minReplicas": autoscaling["minReplicas"],
+            "maxReplicas": autoscaling["maxReplicas"],
+            "metrics": metrics,
+        }
+    }
+    return _finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
+
+
+def _pods_metric(name: str, average_value: str) -> dict[str, Any]:
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": average_value},
+        },
+    }

@@ -1,0 +1,77 @@
+"""The engine's command line, built from a defaulted LLMDeployment spec.
+
+This is the operator's whole knowledge of the engine (seam 1): ``pagoda serve`` and its flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
+from pagoda_operator.spec import model_source
+
+API_KEY_ENV = "PAGODA_API_KEY"
+
+
+def model_argument(spec: dict[str, Any]) -> str:
+    """The MODEL positional argument: the mounted weights, a path in the image, or the default."""
+    kind, source = model_source(spec)
+    if kind in ("pvc", "hostPath"):
+        return MODEL_MOUNT_PATH
+    return source.get("path") or EMBEDDED_MODEL
+
+
+def served_model_name(spec: dict[str, Any]) -> str:
+    model = spec.get("model") or {}
+    return model.get("servedModelName") or model["name"]
+
+
+def gpu_count(spec: dict[str, Any]) -> int:
+    """GPUs one replica asks for: one per tensor-parallel rank, none on a CPU-only engine."""
+    engine = spec["engine"]
+    return 0 if engine["device"] == "cpu" else int(engine["tensorParallelSize"])
+
+
+def serve_args(spec: dict[str, Any]) -> list[str]:
+    """Arguments after ``pagoda``: ``serve MODEL`` and one flag per engine field that is set."""
+    engine = spec["engine"]
+    args = [
+        "serve",
+        model_argument(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        served_model_name(spec),
+        "--tensor-parallel-size",
+        str(engine["tensorParallelSize"]),
+        "--gpu-memory-utilization",
+        _format_number(engine["gpuMemoryUtilization"]),
+        "--max-num-seqs",
+        str(engine["maxNumSeqs"]),
+        "--block-size",
+        str(engine["blockSize"]),
+        "--dtype",
+        engine["dtype"],
+        "--device",
+        engine["device"],
+    ]
+    for field, flag in (
+        ("maxNumBatchedTokens", "--max-num-batched-tokens"),
+        ("maxModelLen", "--max-model-len"),
+        ("maxQueueLen", "--max-queue-len"),
+    ):
+        if engine.get(field) is not None:
+            args += [flag, str(engine[field])]
+    prefix_caching = engine.get("enablePrefixCaching", True)
+    args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    if engine.get("apiKeySecretRef"):
+        # Kubernetes expands $(VAR) from the container's env, so the key never sits in the spec.
+        args += ["--api-key", f"$({API_KEY_ENV})"]
+    args += [str(arg) for arg in engine.get("extraArgs") or []]
+    return args
+
+
+def _format_number(value: float) -> str:
+    return f"{value:g}"

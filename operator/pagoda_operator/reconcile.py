@@ -1,0 +1,166 @@
+"""Carries out the plan for one LLMDeployment and writes its status.
+
+The only module besides ``handlers`` that talks to the API; every decision it acts on comes
+from the pure modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import kopf
+
+from pagoda_operator import constants as c
+from pagoda_operator.desired import desired_objects
+from pagoda_operator.kube import KubeClient, KubeError, object_path
+from pagoda_operator.plan import OWNED_KINDS, Action, is_owned_by, plan_actions
+from pagoda_operator.spec import validate_spec, with_defaults
+from pagoda_operator.status import (
+    now_rfc3339,
+    phase_event,
+    spec_problem_status,
+    status_differs,
+    workload_status,
+)
+
+# (event type, reason, message) -> posts an Event on the LLMDeployment.
+EmitEvent = Callable[[str, str, str], None]
+
+RETRY_DELAY_SECONDS = 15
+
+
+def llmd_path(llmd: dict[str, Any]) -> str:
+    meta = llmd["metadata"]
+    return object_path(c.API_VERSION, c.KIND, meta["namespace"], meta["name"])
+
+
+async def reconcile(
+    client: KubeClient,
+    llmd: dict[str, Any],
+    *,
+    emit: EmitEvent,
+    default_image: str,
+    logger: logging.Logger,
+    service_monitors: bool = True,
+) -> dict[str, Any]:
+    """Brings the owned objects to the spec and records the outcome in the status.
+
+    Spec problems end in a Degraded status and return normally, so kopf does not retry
+    until the spec changes. Transient API failures raise kopf.TemporaryError instead.
+    """
+    errors = validate_spec(with_defaults(llmd.get("spec") or {}))
+    if errors:
+        message = "; ".join(errors)
+        logger.warning("Invalid spec: %s", message)
+        return await write_status(
+            client, llmd, spec_problem_status(llmd, "InvalidSpec", message, now_rfc3339()), emit
+        )
+    try:
+        deployment = await apply_owned_objects(
+            client, llmd, emit, default_image, service_monitors=service_monitors
+        )
+    except KubeError as error:
+        if error.retryable:
+            raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from error
+        logger.warning("API rejected an owned object: %s", error)
+        status = spec_problem_status(llmd, "ApplyFailed", str(error), now_rfc3339())
+        return await write_status(client, llmd, status, emit)
+    except aiohttp.ClientError as error:
+        raise kopf.TemporaryError(f"API unreachable: {error}", delay=RETRY_DELAY_SECONDS) from error
+    except NameConflictError as error:
+        status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
+        return await write_status(client, llmd, status, emit)
+    status = workload_status(llmd, deployment, now_rfc3339(), keep_spec_problem=False)
+    return await write_status(client, llmd, status, emit)
+
+
+class NameConflictError(Exception):
+    """An object with the LLMDeployment's name exists and belongs to someone else."""
+
+
+async def apply_owned_objects(
+    client: KubeClient,
+    llmd: dict[str, Any],
+    emit: EmitEvent,
+    default_image: str,
+    *,
+    service_monitors: bool,
+) -> dict[str, Any] | None:
+    """Creates, updates and deletes owned objects; returns the Deployment as it is now."""
+    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
+    service_monitor_api = service_monitors and await client.serves(
+        "monitoring.coreos.com/v1", "servicemonitors"
+    )
+    desired = desired_objects(
+        llmd, service_monitor_api=service_monitor_api, default_image=default_image
+    )
+    existing = {}
+    for api_version, kind in OWNED_KINDS:
+        if kind == "ServiceMonitor" and not service_monitor_api:
+            existing[(api_version, kind)] = None
+            continue
+        existing[(api_version, kind)] = await client.get(
+            object_path(api_version, kind, namespace, name)
+        )
+    actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
+    conflicts = [action for action in actions if action.verb == "conflict"]
+    if conflicts:
+        messages = "; ".join(action.event_message for action in conflicts)
+        emit("Warning", "NameConflict", messages)
+        raise NameConflictError(messages)
+    deployment = existing[("apps/v1", "Deployment")]
+    for action in actions:
+        result = await _carry_out(client, action, namespace)
+        emit("Normal", action.event_reason, action.event_message)
+        if action.kind == "Deployment":
+            deployment = result
+    return deployment
+
+
+async def _carry_out(client: KubeClient, action: Action, namespace: str) -> dict[str, Any] | None:
+    if action.verb == "delete":
+        await client.delete(object_path(action.api_version, action.kind, namespace, action.name))
+        return None
+    assert action.obj is not None  # create and update always carry the desired object
+    return await client.apply(action.obj)
+
+
+async def write_status(
+    client: KubeClient, llmd: dict[str, Any], status: dict[str, Any], emit: EmitEvent
+) -> dict[str, Any]:
+    """Patches the status when it changed and announces a phase change as an Event."""
+    previous = llmd.get("status") or {}
+    if status_differs(previous, status):
+        await client.patch_status(llmd_path(llmd), status)
+        event = phase_event(previous.get("phase"), status)
+        if event is not None:
+            emit(*event)
+    return status
+
+
+async def owner_of(client: KubeClient, deployment: dict[str, Any]) -> dict[str, Any] | None:
+    """The live LLMDeployment that owns this Deployment, if there is one."""
+    meta = deployment.get("metadata") or {}
+    owner_name = (meta.get("labels") or {}).get(c.LABEL_OWNER)
+    if not owner_name:
+        return None
+    llmd = await client.get(object_path(c.API_VERSION, c.KIND, meta["namespace"], owner_name))
+    if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    if not is_owned_by(deployment, (llmd.get("metadata") or {}).get("uid", "")):
+        return None
+    return llmd
+
+
+async def refresh_status_from_deployment(
+    client: KubeClient, deployment: dict[str, Any], emit_for: Callable[[dict], EmitEvent]
+) -> dict[str, Any] | None:
+    """Re-derives an LLMDeployment's status after its Deployment changed."""
+    llmd = await owner_of(client, deployment)
+    if llmd is None:
+        return None
+    status = workload_status(llmd, deployment, now_rfc3339())
+    return await write_status(client, llmd, status, emit_for(llmd))

@@ -1,0 +1,222 @@
+"""LLMDeployment spec: defaults and the checks the operator makes before acting on it.
+
+The API server applies the CRD's defaults and rejects what its schema and CEL rules reject;
+the operator repeats the range checks here anyway, because a spec can reach it from clusters
+where the CRD is older than the operator, and because some rules (flags that ``extraArgs``
+must not override, GPU limits that disagree with the tensor-parallel size) need more than a
+schema can say. A spec that fails here becomes a ``Degraded`` condition, never an exception.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pagoda_operator.constants import GPU_RESOURCE
+
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 .. 256
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+TUNING_MODES = ("Off", "Recommend", "Auto")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization")
+
+# Flags the operator sets from typed fields; passing them again through extraArgs would
+# make the Deployment disagree with the LLMDeployment it came from.
+MANAGED_FLAGS = (
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--block-size",
+    "--max-model-len",
+    "--dtype",
+    "--device",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--max-queue-len",
+    "--api-key",
+)
+
+# Mirrors the `default:` values of the CRD schema (a unit test keeps the two equal).
+SPEC_DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "startupTimeoutSeconds": 1800,
+    "engine": {
+        "tensorParallelSize": 1,
+        "gpuMemoryUtilization": 0.9,
+        "maxNumSeqs": 256,
+        "blockSize": 16,
+        "dtype": "auto",
+        "device": "auto",
+        "enablePrefixCaching": True,
+        "extraArgs": [],
+    },
+    "autoscaling": {
+        "enabled": False,
+        "minReplicas": 1,
+        "maxReplicas": 1,
+        "targetRequestsWaiting": 4,
+    },
+    "tuning": {"mode": "Off", "cooldownSeconds": 600},
+    "service": {"type": "ClusterIP"},
+}
+
+
+def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``spec`` with every missing defaulted field filled in."""
+    return _merge_defaults(SPEC_DEFAULTS, copy.deepcopy(spec or {}))
+
+
+def _merge_defaults(defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    for key, default in defaults.items():
+        if key not in values or values[key] is None:
+            values[key] = copy.deepcopy(default)
+        elif isinstance(default, dict) and isinstance(values[key], dict):
+            _merge_defaults(default, values[key])
+    return values
+
+
+def model_source(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Which of pvc / hostPath / image holds the weights, and its settings.
+
+    No source at all means the weights are in the image: the engine's embedded model.
+    """
+    source = (spec.get("model") or {}).get("source") or {}
+    for kind in ("pvc", "hostPath", "image"):
+        if source.get(kind) is not None:
+            return kind, source[kind]
+    return "image", {}
+
+
+def validate_spec(spec: dict[str, Any]) -> list[str]:
+    """Every reason this (defaulted) spec cannot be deployed; empty when it can."""
+    errors: list[str] = []
+    errors += _model_errors(spec.get("model") or {})
+    errors += _engine_errors(spec.get("engine") or {})
+    errors += _replica_errors(spec)
+    errors += _tuning_errors(spec)
+    errors += _resource_errors(spec)
+    return errors
+
+
+def _model_errors(model: dict[str, Any]) -> list[str]:
+    errors = []
+    if not model.get("name"):
+        errors.append("spec.model.name: required")
+    source = model.get("source") or {}
+    chosen = [kind for kind in ("pvc", "hostPath", "image") if source.get(kind) is not None]
+    if len(chosen) > 1:
+        errors.append(f"spec.model.source: set only one of pvc, hostPath, image (got {chosen})")
+    if source.get("pvc") is not None and not source["pvc"].get("claimName"):
+        errors.append("spec.model.source.pvc.claimName: required")
+    if source.get("hostPath") is not None:
+        path = source["hostPath"].get("path") or ""
+        if not path.startswith("/"):
+            errors.append(f"spec.model.source.hostPath.path: must be absolute (got {path!r})")
+    return errors
+
+
+def _engine_errors(engine: dict[str, Any]) -> list[str]:
+    errors = []
+    tp = engine.get("tensorParallelSize")
+    if tp not in TENSOR_PARALLEL_SIZES:
+        errors.append(f"spec.engine.tensorParallelSize: must be one of 1, 2, 4, 8 (got {tp})")
+    utilization = engine.get("gpuMemoryUtilization")
+    if not _is_number(utilization) or not 0 < utilization <= 1:
+        errors.append(f"spec.engine.gpuMemoryUtilization: must be in (0, 1] (got {utilization})")
+    max_num_seqs = engine.get("maxNumSeqs")
+    if not _is_int(max_num_seqs) or max_num_seqs < 1:
+        errors.append(f"spec.engine.maxNumSeqs: must be >= 1 (got {max_num_seqs})")
+    batched = engine.get("maxNumBatchedTokens")
+    if batched is not None:
+        if not _is_int(batched) or batched < 1:
+            errors.append(f"spec.engine.maxNumBatchedTokens: must be >= 1 (got {batched})")
+        elif _is_int(max_num_seqs) and batched < max_num_seqs:
+            errors.append(
+                f"spec.engine.maxNumBatchedTokens: must be >= maxNumSeqs "
+                f"({batched} < {max_num_seqs})"
+            )
+    max_model_len = engine.get("maxModelLen")
+    if max_model_len is not None and (not _is_int(max_model_len) or max_model_len < 1):
+        errors.append(f"spec.engine.maxModelLen: must be >= 1 (got {max_model_len})")
+    block_size = engine.get("blockSize")
+    if block_size not in BLOCK_SIZES:
+        errors.append(
+            f"spec.engine.blockSize: must be a power of two no larger than 256 (got {block_size})"
+        )
+    if engine.get("dtype") not in DTYPES:
+        errors.append(f"spec.engine.dtype: must be one of {', '.join(DTYPES)}")
+    if engine.get("device") not in DEVICES:
+        errors.append(f"spec.engine.device: must be one of {', '.join(DEVICES)}")
+    if engine.get("device") == "cpu" and tp not in (None, 1):
+        errors.append("spec.engine.tensorParallelSize: device cpu runs with 1 only")
+    errors += _extra_args_errors(engine.get("extraArgs") or [])
+    return errors
+
+
+def _extra_args_errors(extra_args: list[Any]) -> list[str]:
+    errors = []
+    for arg in extra_args:
+        flag = str(arg).split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            errors.append(
+                f"spec.engine.extraArgs: {flag} is set by the operator from a typed field; "
+                "use that field instead"
+            )
+    return errors
+
+
+def _replica_errors(spec: dict[str, Any]) -> list[str]:
+    errors = []
+    replicas = spec.get("replicas")
+    if not _is_int(replicas) or replicas < 0:
+        errors.append(f"spec.replicas: must be >= 0 (got {replicas})")
+    autoscaling = spec.get("autoscaling") or {}
+    low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
+    if not _is_int(low) or low < 1:
+        errors.append(f"spec.autoscaling.minReplicas: must be >= 1 (got {low})")
+    elif _is_int(high) and low > high:
+        errors.append(f"spec.autoscaling: minReplicas must be <= maxReplicas ({low} > {high})")
+    return errors
+
+
+def _tuning_errors(spec: dict[str, Any]) -> list[str]:
+    errors = []
+    tuning = spec.get("tuning") or {}
+    mode = tuning.get("mode")
+    if mode not in TUNING_MODES:
+        errors.append(f"spec.tuning.mode: must be one of {', '.join(TUNING_MODES)} (got {mode})")
+    elif mode != "Off" and not (spec.get("prometheus") or {}).get("url"):
+        errors.append(f"spec.prometheus.url: required when spec.tuning.mode is {mode}")
+    for knob, bounds in (tuning.get("bounds") or {}).items():
+        low, high = (bounds or {}).get("min"), (bounds or {}).get("max")
+        if _is_number(low) and _is_number(high) and low > high:
+            errors.append(f"spec.tuning.bounds.{knob}: min must be <= max ({low} > {high})")
+    return errors
+
+
+def _resource_errors(spec: dict[str, Any]) -> list[str]:
+    limits = ((spec.get("resources") or {}).get("limits")) or {}
+    if GPU_RESOURCE not in limits:
+        return []
+    engine = spec.get("engine") or {}
+    expected = 0 if engine.get("device") == "cpu" else engine.get("tensorParallelSize")
+    if str(limits[GPU_RESOURCE]) != str(expected):
+        return [
+            f"spec.resources.limits.{GPU_RESOURCE}: set from tensorParallelSize "
+            f"(expected {expected}, got {limits[GPU_RESOURCE]}); leave it out"
+        ]
+    return []
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

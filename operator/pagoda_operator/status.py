@@ -1,0 +1,219 @@
+"""LLMDeployment status: phase, replica counts and the Available/Progressing/Degraded conditions.
+
+Pure functions of the LLMDeployment, its Deployment (if any) and the current time.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from pagoda_operator.desired import effective_replicas, selector_string
+from pagoda_operator.spec import with_defaults
+
+AVAILABLE = "Available"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED)
+
+# Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
+# the spec changes, whatever the Deployment reports meanwhile.
+SPEC_PROBLEM_REASONS = ("InvalidSpec", "ApplyFailed", "NameConflict")
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(kind: str, is_true: bool, reason: str, message: str) -> dict[str, str]:
+    return {
+        "type": kind,
+        "status": "True" if is_true else "False",
+        "reason": reason,
+        "message": message,
+    }
+
+
+def merge_conditions(
+    previous: list[dict[str, Any]], current: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """``current`` with lastTransitionTime kept where a condition's status did not change."""
+    previous_by_type = {cond.get("type"): cond for cond in previous or []}
+    merged = []
+    for cond in current:
+        before = previous_by_type.get(cond["type"])
+        unchanged = before is not None and before.get("status") == cond["status"]
+        transition = before.get("lastTransitionTime") if unchanged else None
+        merged.append({**cond, "lastTransitionTime": transition or now})
+    return merged
+
+
+def spec_problem_status(
+    llmd: dict[str, Any], reason: str, message: str, now: str
+) -> dict[str, Any]:
+    """Degraded because of the spec; Available and Progressing keep what they said before."""
+    previous = llmd.get("status") or {}
+    previous_conditions = previous.get("conditions") or []
+    kept = [
+        {key: value for key, value in cond.items() if key != "lastTransitionTime"}
+        for cond in previous_conditions
+        if cond.get("type") in (AVAILABLE, PROGRESSING)
+    ]
+    known = {cond["type"] for cond in kept}
+    if AVAILABLE not in known:
+        kept.append(condition(AVAILABLE, False, reason, "Nothing deployed for this spec"))
+    if PROGRESSING not in known:
+        kept.append(condition(PROGRESSING, False, reason, "Waiting for a valid spec"))
+    current = kept + [condition(DEGRADED, True, reason, message)]
+    current.sort(key=lambda cond: CONDITION_TYPES.index(cond["type"]))
+    return {
+        "phase": DEGRADED,
+        "observedGeneration": (llmd.get("metadata") or {}).get("generation"),
+        "conditions": merge_conditions(previous_conditions, current, now),
+    }
+
+
+def workload_status(
+    llmd: dict[str, Any],
+    deployment: dict[str, Any] | None,
+    now: str,
+    *,
+    keep_spec_problem: bool = True,
+) -> dict[str, Any]:
+    """The status that the Deployment's own status implies for its LLMDeployment.
+
+    ``keep_spec_problem=False`` is for right after a successful apply of the current spec,
+    which settles any earlier InvalidSpec/ApplyFailed verdict.
+    """
+    spec = with_defaults(llmd.get("spec") or {})
+    meta = llmd.get("metadata") or {}
+    previous = llmd.get("status") or {}
+    desired = effective_replicas(spec)
+    counts = _replica_counts(deployment)
+    phase, current = _conditions_for(desired, counts, deployment)
+
+    spec_problem = _standing_spec_problem(llmd) if keep_spec_problem else None
+    if spec_problem is not None:
+        current = [cond for cond in current if cond["type"] != DEGRADED] + [spec_problem]
+        phase = DEGRADED
+
+    return {
+        "phase": phase,
+        "replicas": counts["replicas"],
+        "readyReplicas": counts["ready"],
+        "updatedReplicas": counts["updated"],
+        "observedGeneration": meta.get("generation"),
+        "selector": selector_string(meta["name"]),
+        "modelName": (spec.get("model") or {}).get("servedModelName")
+        or (spec.get("model") or {}).get("name"),
+        "serviceName": meta["name"],
+        "conditions": merge_conditions(previous.get("conditions") or [], current, now),
+    }
+
+
+def _replica_counts(deployment: dict[str, Any] | None) -> dict[str, Any]:
+    dep_status = (deployment or {}).get("status") or {}
+    dep_generation = ((deployment or {}).get("metadata") or {}).get("generation")
+    observed = dep_status.get("observedGeneration")
+    # The emulator and brand-new objects may carry no generation at all: nothing to wait for.
+    caught_up = dep_generation is None or (observed is not None and observed >= dep_generation)
+    return {
+        "replicas": int(dep_status.get("replicas") or 0),
+        "ready": int(dep_status.get("readyReplicas") or 0),
+        "updated": int(dep_status.get("updatedReplicas") or 0),
+        "caught_up": caught_up,
+        "failure": _deployment_failure(dep_status),
+    }
+
+
+def _deployment_failure(dep_status: dict[str, Any]) -> tuple[str, str] | None:
+    for cond in dep_status.get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return cond.get("reason") or "ReplicaFailure", cond.get("message") or ""
+        if (
+            cond.get("type") == "Progressing"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "ProgressDeadlineExceeded"
+        ):
+            return "ProgressDeadlineExceeded", cond.get("message") or ""
+    return None
+
+
+def _conditions_for(
+    desired: int, counts: dict[str, Any], deployment: dict[str, Any] | None
+) -> tuple[str, list[dict[str, str]]]:
+    ready, updated, total = counts["ready"], counts["updated"], counts["replicas"]
+    if deployment is None:
+        return "Pending", [
+            condition(AVAILABLE, False, "DeploymentMissing", "The Deployment is not created yet"),
+            condition(PROGRESSING, True, "Creating", "Creating the Deployment"),
+            condition(DEGRADED, False, "AsExpected", ""),
+        ]
+    if desired == 0:
+        return "ScaledToZero", [
+            condition(AVAILABLE, False, "ScaledToZero", "spec.replicas is 0"),
+            condition(PROGRESSING, False, "ScaledToZero", "spec.replicas is 0"),
+            condition(DEGRADED, False, "AsExpected", ""),
+        ]
+    rolled_out = counts["caught_up"] and updated >= desired and total <= desired
+    ready_message = f"{ready}/{desired} replicas ready"
+    available = (
+        condition(AVAILABLE, True, "ReplicasReady", ready_message)
+        if ready >= 1
+        else condition(AVAILABLE, False, "NoReplicaReady", f"{ready_message}; loading the model")
+    )
+    progressing = (
+        condition(PROGRESSING, False, "RolloutComplete", f"{updated}/{desired} replicas updated")
+        if rolled_out and ready >= desired
+        else condition(
+            PROGRESSING, True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready"
+        )
+    )
+    failure = counts["failure"]
+    degraded = (
+        condition(DEGRADED, True, failure[0], failure[1])
+        if failure
+        else condition(DEGRADED, False, "AsExpected", "")
+    )
+    if failure:
+        phase = DEGRADED
+    elif progressing["status"] == "False":
+        phase = AVAILABLE
+    else:
+        phase = PROGRESSING
+    return phase, [available, progressing, degraded]
+
+
+def _standing_spec_problem(llmd: dict[str, Any]) -> dict[str, str] | None:
+    """A spec-caused Degraded condition still valid for the current generation, if any."""
+    status = llmd.get("status") or {}
+    generation = (llmd.get("metadata") or {}).get("generation")
+    if status.get("observedGeneration") != generation:
+        return None
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == DEGRADED
+            and cond.get("status") == "True"
+            and cond.get("reason") in SPEC_PROBLEM_REASONS
+        ):
+            return {key: cond[key] for key in ("type", "status", "reason", "message")}
+    return None
+
+
+def status_differs(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether patching ``new`` would change anything in ``old``."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())
+
+
+def phase_event(old_phase: str | None, new_status: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(event type, reason, message) for a phase change, or None when the phase stayed."""
+    new_phase = new_status.get("phase")
+    if new_phase == old_phase:
+        return None
+    message = f"Phase {old_phase or 'None'} -> {new_phase}"
+    for cond in new_status.get("conditions") or []:
+        if cond["type"] == (DEGRADED if new_phase == DEGRADED else AVAILABLE):
+            message += f": {cond.get('message') or cond.get('reason')}"
+    event_type = "Warning" if new_phase == DEGRADED else "Normal"
+    return event_type, f"Phase{new_phase}", message

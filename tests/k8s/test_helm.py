@@ -1,0 +1,125 @@
+"""The Helm chart: lints and renders with default and full values into valid manifests."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .conftest import CHART, MANIFESTS, load_documents
+from .test_manifests import KUBERNETES_VERSIONS
+
+FULL_VALUES = Path(__file__).parent / "data" / "values-full.yaml"
+VALUE_SETS = {"default": [], "full": ["-f", str(FULL_VALUES)]}
+# Kinds that come from CRDs the validator cannot know; checked by hand below.
+CUSTOM_KINDS = {"ServiceMonitor"}
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
+
+
+def render(helm: str, values: list[str]) -> list[dict[str, Any]]:
+    result = run_helm(helm, "template", "pagoda", str(CHART), "-n", "pagoda-system", *values)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in documents if doc["kind"] == kind]
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest, helm: str) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(helm, VALUE_SETS[request.param])
+
+
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_helm_lint(helm: str, values: str) -> None:
+    result = run_helm(helm, "lint", "--strict", str(CHART), *VALUE_SETS[values])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_values_schema_rejects_bad_values(helm: str) -> None:
+    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "livenessPort=80")
+    assert result.returncode != 0
+    assert "livenessPort" in result.stderr
+    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "crd.instal=true")
+    assert result.returncode != 0
+    assert "instal" in result.stderr
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_rendered_manifests_validate(rendered: tuple[str, list], version: str) -> None:
+    _, documents = rendered
+    for document in documents:
+        if document["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_crd_is_kept_and_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
+    name, documents = rendered
+    (crd,) = by_kind(documents, "CustomResourceDefinition")
+    plain = load_documents(MANIFESTS / "crd.yaml")[0]
+    assert crd["spec"] == plain["spec"], "run `python scripts/sync-crd.py`"
+    annotations = crd["metadata"].get("annotations") or {}
+    keep = annotations.get("helm.sh/resource-policy") == "keep"
+    assert keep is (name == "default")  # the full values turn crd.keep off
+
+
+def test_rbac_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
+    _, documents = rendered
+    (role,) = by_kind(documents, "ClusterRole")
+    plain = next(
+        doc for doc in load_documents(MANIFESTS / "rbac.yaml") if doc["kind"] == "ClusterRole"
+    )
+    assert role["rules"] == plain["rules"]
+    (binding,) = by_kind(documents, "ClusterRoleBinding")
+    (account,) = by_kind(documents, "ServiceAccount")
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+
+
+def test_operator_deployment(rendered: tuple[str, list]) -> None:
+    name, documents = rendered
+    (deployment,) = by_kind(documents, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    env = {item["name"]: item["value"] for item in container["env"]}
+    if name == "full":
+        assert container["image"] == "registry.example.com/pagoda/pagoda-operator:0.1.0-rc1"
+        assert env["PAGODA_SERVICE_MONITORS"] == "false"
+        assert env["PAGODA_LIVENESS_ENDPOINT"] == "http://0.0.0.0:9090/healthz"
+    else:
+        assert container["image"] == "ghcr.io/pagoda-dev/pagoda-operator:0.1.0"
+        assert env["PAGODA_SERVICE_MONITORS"] == "true"
+
+
+def test_service_monitor_only_when_enabled(rendered: tuple[str, list]) -> None:
+    name, documents = rendered
+    monitors = by_kind(documents, "ServiceMonitor")
+    if name == "default":
+        assert monitors == []
+        return
+    (monitor,) = monitors
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pagoda-engine"
+
+
+def test_helm_test_hook_calls_v1_models(rendered: tuple[str, list]) -> None:
+    name, documents = rendered
+    (pod,) = by_kind(documents, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    url = pod["spec"]["containers"][0]["args"][-1]
+    expected = "qwen2-5-7b.inference" if name == "full" else "smollm2.default"
+    assert url == f"http://{expected}.svc:8000/v1/models"

@@ -1,0 +1,90 @@
+"""The plain manifests: valid for Kubernetes, samples valid for the CRD, bad samples refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from pagoda_operator.spec import SPEC_DEFAULTS, validate_spec, with_defaults
+
+from .conftest import MANIFESTS, load_documents
+from .crd_schema import apply_defaults, validation_errors, version_schema
+
+# Oldest Kubernetes the chart supports and the newest the validator knows.
+KUBERNETES_VERSIONS = ("1.31", kubernetes_validate.utils.latest_version())
+INVALID_SAMPLES = sorted((Path(__file__).parent / "data" / "invalid").glob("*.yaml"))
+SAMPLES = sorted((MANIFESTS / "samples").glob("*.yaml"))
+PLAIN_MANIFESTS = sorted(MANIFESTS.glob("*.yaml"))
+
+
+def validate_for_kubernetes(document: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(document, version, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", PLAIN_MANIFESTS, ids=lambda p: p.name)
+def test_plain_manifests_validate(path: Path, version: str) -> None:
+    for document in load_documents(path):
+        validate_for_kubernetes(document, version)
+
+
+def test_crd_identity(crd: dict[str, Any]) -> None:
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"]) == ("pagoda.dev", "Namespaced")
+    assert spec["names"]["plural"] == "llmdeployments"
+    assert spec["names"]["shortNames"] == ["llmd"]
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = [column["name"] for column in version["additionalPrinterColumns"]]
+    assert columns == ["Model", "TP", "Replicas", "Ready", "Phase", "Age"]
+
+
+def test_crd_defaults_match_the_operator(crd: dict[str, Any]) -> None:
+    """The API server and the operator fill in the same defaults."""
+    schema = version_schema(crd)
+    minimal = {"model": {"name": "m"}}
+    from_crd = apply_defaults(schema["properties"]["spec"], minimal)
+    from_operator = with_defaults(minimal)
+    for key in SPEC_DEFAULTS:
+        assert from_crd[key] == from_operator[key], key
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_samples_validate_against_the_crd(crd: dict[str, Any], path: Path) -> None:
+    (sample,) = load_documents(path)
+    assert validation_errors(crd, sample) == []
+    assert validate_spec(with_defaults(sample["spec"])) == []
+
+
+def test_gpu_sample_is_a_7b_model_over_two_gpus() -> None:
+    (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu.yaml")
+    assert "7B" in sample["spec"]["model"]["name"]
+    assert sample["spec"]["engine"]["tensorParallelSize"] == 2
+
+
+def expected_reason(path: Path) -> str:
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# expect: "), f"{path.name} must state why it is invalid"
+    return first_line.removeprefix("# expect: ")
+
+
+@pytest.mark.parametrize("path", INVALID_SAMPLES, ids=lambda p: p.stem)
+def test_invalid_samples_are_rejected_for_the_stated_reason(
+    crd: dict[str, Any], path: Path
+) -> None:
+    (sample,) = load_documents(path)
+    errors = validation_errors(crd, sample)
+    reason = expected_reason(path)
+    assert any(error.startswith(reason) for error in errors), f"expected {reason!r}, got {errors}"
+
+
+def test_there_are_enough_invalid_samples() -> None:
+    assert len(INVALID_SAMPLES) >= 15

@@ -1,0 +1,365 @@
+"""A real `kopf run` of the operator against the kmock Kubernetes API emulator.
+
+Every test drives the operator only through the API, as kubectl would, and asserts on the
+objects and Events it leaves there.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import MANIFESTS, module_entry_command, operator_attached
+from .emulated_cluster import TEST_USER_AGENT, EmulatedCluster, wait_for
+
+GROUP_PATH = "/apis/pagoda.dev/v1alpha1"
+
+
+def llmd_path(namespace: str, name: str = "") -> str:
+    return f"{GROUP_PATH}/namespaces/{namespace}/llmdeployments" + (f"/{name}" if name else "")
+
+
+def deployment_path(namespace: str, name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+
+
+def service_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/services/{name}"
+
+
+def pdb_path(namespace: str, name: str) -> str:
+    return f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}"
+
+
+def make_llmd(namespace: str, name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagoda.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, **spec},
+    }
+
+
+def events(cluster: EmulatedCluster, namespace: str) -> list[dict[str, Any]]:
+    return cluster.items(f"/api/v1/namespaces/{namespace}/events")
+
+
+def event_messages(cluster: EmulatedCluster, namespace: str) -> list[str]:
+    return [f"{e.get('reason')}: {e.get('message')}" for e in events(cluster, namespace)]
+
+
+def llmd_status(cluster: EmulatedCluster, namespace: str, name: str) -> dict[str, Any]:
+    return (cluster.get(llmd_path(namespace, name)) or {}).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def engine_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_apply_creates_deployment_and_service(cluster: EmulatedCluster) -> None:
+    namespace, name = "create", "qwen"
+    spec = {"engine": {"tensorParallelSize": 2, "maxNumSeqs": 128}}
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, **spec))
+
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    container = engine_container(deployment)
+    args = container["args"]
+    assert container["command"] == ["pagoda"]
+    assert args[:2] == ["serve", "default"]
+    assert flag_value(args, "--tensor-parallel-size") == "2"
+    assert flag_value(args, "--max-num-seqs") == "128"
+    assert flag_value(args, "--gpu-memory-utilization") == "0.9"
+    assert flag_value(args, "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
+    assert flag_value(args, "--port") == "8000"
+    assert container["image"] == "registry.test/pagoda-engine:test"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    pod = deployment["spec"]["template"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["spec"][
+        "volumes"
+    ]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+    service = wait_for(lambda: cluster.get(service_path(namespace, name)), what="Service")
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    # One replica: no PodDisruptionBudget; no ServiceMonitor API: no ServiceMonitor.
+    assert cluster.get(pdb_path(namespace, name)) is None
+
+    status = wait_for(lambda: llmd_status(cluster, namespace, name).get("phase"), what="phase")
+    assert status == "Progressing"
+    messages = wait_for(
+        lambda: [m for m in event_messages(cluster, namespace) if m.startswith("Created")],
+        what="Created events",
+    )
+    assert any("Created Deployment qwen" in m for m in messages)
+    wait_for(
+        lambda: any("Created Service qwen" in m for m in event_messages(cluster, namespace)),
+        what="Service event",
+    )
+
+
+def test_changing_max_num_seqs_rolls_the_deployment(cluster: EmulatedCluster) -> None:
+    namespace, name = "update", "qwen"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name))
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    assert flag_value(engine_container(deployment)["args"], "--max-num-seqs") == "256"
+
+    cluster.patch(llmd_path(namespace, name), {"spec": {"engine": {"maxNumSeqs": 64}}})
+
+    def updated_args() -> list[str] | None:
+        args = engine_container(cluster.get(deployment_path(namespace, name)) or {})["args"]
+        return args if flag_value(args, "--max-num-seqs") == "64" else None
+
+    args = wait_for(updated_args, what="--max-num-seqs 64")
+    assert flag_value(args, "--tensor-parallel-size") == "1"
+    wait_for(
+        lambda: any(
+            "Updated Deployment qwen: --max-num-seqs 256 -> 64" in m
+            for m in event_messages(cluster, namespace)
+        ),
+        what="the Updated event",
+    )
+    wait_for(
+        lambda: llmd_status(cluster, namespace, name).get("observedGeneration") == 2,
+        what="observedGeneration 2",
+    )
+
+
+def test_ready_replicas_make_it_available(cluster: EmulatedCluster) -> None:
+    namespace, name = "ready", "qwen"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name))
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    wait_for(lambda: llmd_status(cluster, namespace, name).get("phase") == "Progressing")
+
+    ready = {
+        "observedGeneration": deployment["metadata"]["generation"],
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+        "availableReplicas": 1,
+    }
+    cluster.patch(deployment_path(namespace, name) + "/status", {"status": ready})
+
+    status = wait_for(
+        lambda: (s := llmd_status(cluster, namespace, name)).get("phase") == "Available" and s,
+        what="phase Available",
+    )
+    assert status["readyReplicas"] == 1
+    assert condition(status, "Available")["status"] == "True"
+    assert condition(status, "Progressing")["status"] == "False"
+    assert condition(status, "Degraded")["status"] == "False"
+    wait_for(
+        lambda: any(m.startswith("PhaseAvailable") for m in event_messages(cluster, namespace)),
+        what="the phase Event",
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ({"maxNumSeqs": 0}, "spec.engine.maxNumSeqs: must be >= 1"),
+        ({"extraArgs": ["--port=9000"]}, "--port is set by the operator"),
+    ],
+    ids=["schema-range", "managed-flag"],
+)
+def test_invalid_spec_is_degraded_without_retries(
+    cluster: EmulatedCluster, engine: dict[str, Any], expected: str
+) -> None:
+    namespace, name = f"invalid-{len(expected)}", "broken"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, engine=engine))
+
+    status = wait_for(
+        lambda: (s := llmd_status(cluster, namespace, name)).get("phase") == "Degraded" and s,
+        what="phase Degraded",
+    )
+    degraded = condition(status, "Degraded")
+    assert degraded["status"] == "True"
+    assert degraded["reason"] == "InvalidSpec"
+    assert expected in degraded["message"]
+    warnings = wait_for(
+        lambda: [e for e in events(cluster, namespace) if e.get("type") == "Warning"],
+        what="a Warning event",
+    )
+    assert expected in warnings[0]["message"]
+    assert cluster.get(deployment_path(namespace, name)) is None
+
+    # No retry storm: once Degraded, the operator leaves the object alone.
+    settled = len(operator_calls(cluster, namespace))
+    time.sleep(2.0)
+    assert len(operator_calls(cluster, namespace)) == settled
+
+    # Fixing the spec clears the verdict and deploys.
+    cluster.patch(
+        llmd_path(namespace, name), {"spec": {"engine": {"maxNumSeqs": 8, "extraArgs": []}}}
+    )
+    wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment after fix")
+    wait_for(
+        lambda: (
+            condition(llmd_status(cluster, namespace, name), "Degraded").get("status") == "False"
+        ),
+        what="Degraded=False after fix",
+    )
+
+
+def test_pdb_follows_the_replica_count(cluster: EmulatedCluster) -> None:
+    namespace, name = "pdb", "qwen"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, replicas=2))
+    pdb = wait_for(lambda: cluster.get(pdb_path(namespace, name)), what="PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+    cluster.patch(llmd_path(namespace, name), {"spec": {"replicas": 1}})
+    wait_for(lambda: cluster.get(pdb_path(namespace, name)) is None, what="PDB deleted")
+    wait_for(
+        lambda: (cluster.get(deployment_path(namespace, name)) or {})["spec"]["replicas"] == 1,
+        what="Deployment scaled to 1",
+    )
+    assert any("Deleted PodDisruptionBudget qwen" in m for m in event_messages(cluster, namespace))
+
+
+def test_delete_removes_what_it_owned(cluster: EmulatedCluster) -> None:
+    namespace, name = "delete", "qwen"
+    created = cluster.create(llmd_path(namespace), make_llmd(namespace, name, replicas=2))
+    owned_paths = [
+        deployment_path(namespace, name),
+        service_path(namespace, name),
+        pdb_path(namespace, name),
+    ]
+    owned = [wait_for(lambda p=path: cluster.get(p), what=path) for path in owned_paths]
+    expected_reference = {
+        "apiVersion": "pagoda.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "name": name,
+        "uid": created["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    for obj in owned:
+        assert obj["metadata"]["ownerReferences"] == [expected_reference]
+
+    cluster.delete(llmd_path(namespace, name))
+    for path in owned_paths:
+        wait_for(lambda p=path: cluster.get(p) is None, what=f"{path} deleted")
+    # No finalizer of ours held the object back.
+    assert cluster.get(llmd_path(namespace, name)) is None
+
+
+def test_service_monitor_once_its_crd_is_served(cluster: EmulatedCluster) -> None:
+    cluster.serve_resource("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor")
+    namespace, name = "monitored", "qwen"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name))
+    monitor = wait_for(
+        lambda: cluster.get(
+            f"/apis/monitoring.coreos.com/v1/namespaces/{namespace}/servicemonitors/{name}"
+        ),
+        what="ServiceMonitor",
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def operator_calls(cluster: EmulatedCluster, namespace: str | None = None) -> list[tuple]:
+    return [
+        call
+        for call in cluster.calls
+        if call[0] != TEST_USER_AGENT
+        and (namespace is None or f"/namespaces/{namespace}/" in call[2])
+    ]
+
+
+def rbac_rules() -> list[dict[str, Any]]:
+    documents = yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text())
+    role = next(doc for doc in documents if doc and doc["kind"] == "ClusterRole")
+    return role["rules"]
+
+
+def requested_permission(
+    method: str, path: str, query: dict[str, str]
+) -> tuple[str, str, str] | None:
+    """(apiGroup, resource[/subresource], verb) of one API call; None for discovery."""
+    parts = path.strip("/").split("/")
+    if parts[0] == "api":
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None  # discovery (/apis, /apis/group/version), open to every authenticated user
+    if rest[:1] == ["namespaces"]:
+        rest = rest[2:]
+    if not rest:
+        return None  # discovery (/api, /apis/group/version), open to every authenticated user
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    named = len(rest) > 1
+    verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+    if method == "GET":
+        verb = "watch" if query.get("watch") == "true" else ("get" if named else "list")
+    else:
+        verb = verbs[method]
+    return group, resource, verb
+
+
+def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
+    """Creates, updates and deletes each optional kind once, so the RBAC check below sees
+    every call the operator can make, even when this test runs on its own."""
+    cluster.serve_resource("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor")
+    namespace, name = "rbac", "qwen"
+    autoscaled = {"enabled": True, "minReplicas": 1, "maxReplicas": 3}
+    cluster.create(
+        llmd_path(namespace), make_llmd(namespace, name, replicas=2, autoscaling=autoscaled)
+    )
+    hpa_path = f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/{name}"
+    wait_for(lambda: cluster.get(hpa_path), what="HorizontalPodAutoscaler")
+    wait_for(lambda: cluster.get(pdb_path(namespace, name)), what="PodDisruptionBudget")
+    cluster.patch(
+        llmd_path(namespace, name), {"spec": {"replicas": 1, "autoscaling": {"enabled": False}}}
+    )
+    wait_for(lambda: cluster.get(hpa_path) is None, what="HPA deleted")
+    wait_for(lambda: cluster.get(pdb_path(namespace, name)) is None, what="PDB deleted")
+
+
+def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> None:
+    exercise_every_owned_kind(cluster)
+    granted = {
+        (group, resource, verb)
+        for rule in rbac_rules()
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    used = {
+        permission
+        for _, method, path, query in operator_calls(cluster)
+        if (permission := requested_permission(method, path, query)) is not None
+    }
+    assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"
+    # Least privilege: everything granted is something the operator was seen doing, apart
+    # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away.
+    never_exercised = {("monitoring.coreos.com", "servicemonitors", "delete")}
+    assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
+
+
+def test_image_entry_point_runs_the_same_operator(tmp_path: Path) -> None:
+    """`python -m pagoda_operator` (the operator image's entry point) serves LLMDeployments."""
+    with operator_attached(tmp_path, module_entry_command) as cluster:
+        cluster.create(llmd_path("entry"), make_llmd("entry", "qwen"))
+        wait_for(lambda: cluster.get(deployment_path("entry", "qwen")), what="Deployment")
