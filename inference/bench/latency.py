@@ -65,3 +65,15 @@ def run_latency(args: argparse.Namespace) -> int:
               f"TPOT {result['tpot_ms']:7.3f} ms  {result['output_tok_s']:9.0f} out tok/s")
     write_json(args.output_json, results)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_latency(add_latency_args(argparse.ArgumentParser(prog="pagoda bench latency")).parse_args(argv))
+
+
+if __name__ == "__main__":
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sys.exit(main())

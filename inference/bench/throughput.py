@@ -27,7 +27,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def run_throughput(args: argparse.Namespace) -> dict:
+def run_throughput(args: argparse.Namespace) -> int:
     from inference import LLM, SamplingParams
 
     folder, extra = resolve_bench_model(args.model)
@@ -99,3 +99,15 @@ def _transformers_peer(args: argparse.Namespace, folder: str) -> dict:
                   output_tok_s=round(out_tok_s, 1),
                   total_tok_s=round(n * (args.input_len + args.output_len) / elapsed, 1),
                   engine="transformers")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_throughput(add_throughput_args(argparse.ArgumentParser(prog="pagoda bench throughput")).parse_args(argv))
+
+
+if __name__ == "__main__":
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the GPU issue measures, in one call on the H200: GPU parity tests, kernel
+# checks, then the throughput/latency table. JSON results land in $OUT (or ./bench-out).
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+B="python3 -m inference.bench"
+PART=${1:-all}
+
+if [[ $PART == all || $PART == parity ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py 2>&1 | tail -15
+fi
+if [[ $PART == all || $PART == bench ]]; then
+  $B.throughput --model qwen2.5-1.5b --num-prompts 1024 --input-len 512 --output-len 128 \
+      --peer transformers --peer-num-prompts 64 --output-json "$OUT/throughput_qwen2.5-1.5b.json"
+  $B.latency --model qwen2.5-1.5b --batch-size 1 8 32 128 256 --input-len 512 --output-len 128 \
+      --num-iters 2 --output-json "$OUT/latency_qwen2.5-1.5b.json"
+  $B.throughput --model qwen2.5-7b --num-prompts 1024 --input-len 512 --output-len 128 \
+      --output-json "$OUT/throughput_qwen2.5-7b.json"
+  $B.latency --model qwen2.5-7b --batch-size 1 --input-len 512 --output-len 128 \
+      --num-iters 2 --output-json "$OUT/latency_qwen2.5-7b.json"
+fi
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = []
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    data = json.loads(f.read_text())
+    for r in data if isinstance(data, list) else [data]:
+        if "output_tok_s" in r:
+            rows.append((r.get("engine", "pagoda"), r["model"], r["workload"],
+                         r.get("batch_size", r["num_prompts"]), r["output_tok_s"],
+                         r.get("ttft_ms", ""), r.get("tpot_ms", ""), r.get("kv_cache_tokens", ""),
+                         r.get("startup_s", "")))
+print(f"{'engine':13} {'model':13} {'workload':10} {'batch':>5} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'KV tokens':>10} {'start s':>7}")
+for r in rows:
+    print(f"{r[0]:13} {r[1]:13} {r[2]:10} {r[3]:>5} {r[4]:>10} {r[5]!s:>8} {r[6]!s:>8} {r[7]!s:>10} {r[8]!s:>7}")
+PY
