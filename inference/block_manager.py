@@ -96,11 +96,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full == 0:
+        if num_full <= seq.num_published_blocks:
             return
         self._update_block_hashes(seq)
         size = self.block_size
-        for i in range(num_full):
+        start = seq.num_published_blocks
+        seq.num_published_blocks = num_full
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue

@@ -27,6 +27,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model or "default", **engine_args))
+        self.engine.emit_unfinished_outputs = False  # generate() returns finished outputs only
         self._request_counter = 0
 
     def get_tokenizer(self):

@@ -115,6 +115,8 @@ class LLMEngine:
         )
         self.requests: dict[str, _Request] = {}
         self._pending_outputs: list[RequestOutput] = []
+        # Streaming callers want every step's progress; batch callers only final outputs.
+        self.emit_unfinished_outputs = True
         self._next_seq_id = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -240,8 +242,10 @@ class LLMEngine:
             self._process_token(request, seq, sampled.token_ids[i], sampled.logprobs[i], now)
             touched[request.request_id] = request
         for request in touched.values():
-            outputs.append(self._make_output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or self.emit_unfinished_outputs:
+                outputs.append(self._make_output(request))
+            if finished:
                 del self.requests[request.request_id]
         return outputs
 

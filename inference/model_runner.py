@@ -217,6 +217,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
+        self.host_inputs_tensor = torch.zeros((4, max_bs), dtype=torch.int64).pin_memory()
+        self.host_inputs = self.host_inputs_tensor.numpy()
+        self.host_tables_tensor = torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory()
+        self.host_tables = self.host_tables_tensor.numpy()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -255,21 +259,25 @@ class DecodeGraphs:
             tables[row, : len(seq.block_table)] = seq.block_table
         slots = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size
         slots += positions % block_size
-        # One host buffer, one copy per field; padded rows get harmless values.
-        padded = np.zeros((4, bs), dtype=np.int64)
-        padded[0, :n] = token_ids
-        padded[1, :n] = positions
-        padded[2, :] = -1
-        padded[2, :n] = slots
-        padded[3, :] = 1
-        padded[3, :n] = positions + 1
-        staged = torch.from_numpy(padded).pin_memory().to(self.runner.device, non_blocking=True)
+        # Staged in pinned host buffers, one copy per field; padded rows get harmless
+        # values. The previous step's copies have finished: its sampled ids were read back.
+        host = self.host_inputs[:, :bs]
+        host[0, :n] = token_ids
+        host[1, :n] = positions
+        host[2, :n] = slots
+        host[3, :n] = positions + 1
+        host[0, n:], host[1, n:], host[2, n:], host[3, n:] = 0, 0, -1, 1
+        staged = self.host_inputs_tensor[:, :bs].to(self.runner.device, non_blocking=True)
         self.input_ids[:bs].copy_(staged[0])
         self.positions[:bs].copy_(staged[1])
         self.slot_mapping[:bs].copy_(staged[2])
         self.seq_lens[:bs].copy_(staged[3])
+        host_tables = self.host_tables[: n * width].reshape(n, width)
+        host_tables[:] = tables
         self.block_tables[:n, :width].copy_(
-            torch.from_numpy(tables).pin_memory().to(self.runner.device, non_blocking=True)
+            self.host_tables_tensor[: n * width].view(n, width).to(
+                self.runner.device, non_blocking=True
+            )
         )
         graph, out = self.graphs[bs]
         graph.replay()

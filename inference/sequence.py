@@ -40,6 +40,7 @@ class Sequence:
     block_table: list[int] = field(init=False, default_factory=list)
     # Hash of each full block of token_ids, for prefix caching; grows as blocks fill.
     block_hashes: list[int] = field(init=False, default_factory=list)
+    num_published_blocks: int = field(init=False, default=0)  # full blocks offered to the cache
     finish_reason: str | None = field(init=False, default=None)
     stop_reason: int | str | None = field(init=False, default=None)
     logprobs: list[dict[int, Logprob]] = field(init=False, default_factory=list)
@@ -78,6 +79,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the KV cache forgets everything; tokens stay."""
         self.num_computed_tokens = 0
+        self.num_published_blocks = 0
         self.block_table = []
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

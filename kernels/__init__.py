@@ -11,6 +11,10 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
+from kernels.rotary_kv_cache import (
+    rotary_embedding_with_kv_cache,
+    rotary_embedding_with_kv_cache_ref,
+)
 
 __all__ = [
     "fused_add_rms_norm",
@@ -21,6 +25,8 @@ __all__ = [
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
+    "rotary_embedding_with_kv_cache",
+    "rotary_embedding_with_kv_cache_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "write_kv_cache",

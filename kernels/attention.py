@@ -10,6 +10,8 @@ causal within the context.
 
 import torch
 
+from kernels._backend import kernel_for
+
 
 def paged_attention_ref(
     q: torch.Tensor,
@@ -20,10 +22,14 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including
-    this step's tokens); query_start_loc: [B + 1] int32. Returns [T, Hq, D]."""
+    this step's tokens); query_start_loc: [B + 1] int32. Returns [T, Hq, D].
+
+    ``max_query_len`` is an optional hint (the longest query of the batch, known to the
+    scheduler): kernels may use it to pick a tiling; it never changes the result."""
     num_heads, head_size = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -62,7 +68,17 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
+    """Dispatches to the Triton kernel (``kernels/_triton/attention.py``) or the reference.
+
+    The Triton path never syncs with the host, so it can be captured in a CUDA graph."""
+    triton_ops = kernel_for("attention", q)
+    if triton_ops is not None:
+        return triton_ops.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            max_query_len,
+        )  # fmt: skip
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len
     )

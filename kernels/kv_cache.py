@@ -2,6 +2,8 @@
 
 import torch
 
+from kernels._backend import kernel_for
+
 
 def write_kv_cache_ref(
     key: torch.Tensor,
@@ -27,4 +29,8 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    triton_ops = kernel_for("kv_cache", key)
+    if triton_ops is not None:
+        triton_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -2,6 +2,8 @@
 
 import torch
 
+from kernels._backend import kernel_for
+
 
 def rotary_embedding_ref(
     positions: torch.Tensor,
@@ -32,4 +34,9 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as the reference. The Triton path rotates q and k in place and returns
+    them; use the returned pair."""
+    triton_ops = kernel_for("rotary", q)
+    if triton_ops is not None:
+        return triton_ops.rotary_embedding(positions, q, k, cos_sin_cache)
     return rotary_embedding_ref(positions, q, k, cos_sin_cache)

@@ -15,21 +15,21 @@ from typing import Any
 # Exact shapes of real models; their weights are random (speed does not depend on values).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 1536,
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 1536,
         "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
         "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "eos_token_id": 151643,
     },
     "qwen2.5-7b": {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
         "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "eos_token_id": 151643,
     },
     "llama-3-8b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",

@@ -82,9 +82,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = kernels.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
             k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, k = kernels.rotary_embedding_with_kv_cache(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping
+        )
         out = kernels.paged_attention(
             q,
             k_cache,

@@ -1,0 +1,330 @@
+"""Triton paged attention: one kernel for prefill, chunked prefill and decode.
+
+A program owns a *query block*: ``BLOCK_Q`` consecutive query tokens of one sequence times
+the ``GROUP`` query heads that share one KV head (GQA), flattened into ``BLOCK_M`` rows so
+that one ``tl.dot`` serves the whole group and every K/V tile is read once per group. It
+walks the sequence's KV tiles through the block table with an online softmax (flash
+attention), stopping at the block's causal limit.
+
+Query blocks are numbered without a host sync: sequence ``b`` owns blocks starting at
+``query_start_loc[b] // BLOCK_Q + b``, so ``T // BLOCK_Q + B`` programs always suffice
+and each program finds its sequence by binary search; surplus programs exit at once.
+
+When there are too few programs to fill the GPU (decode at small batch, short chunks over
+long context) the KV range is split into ``NUM_SEGMENTS`` segments (flash-decoding):
+each segment writes an unnormalised partial result with its running max and sum, and a
+second kernel merges them. The split count depends only on shapes, so a launch is the
+same for every step of a CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._backend import num_sms
+
+# Partial results of the split path are float32 [T, Hq, segments, D]; past this size the
+# split costs more traffic than the occupancy it buys.
+_MAX_PARTIAL_BYTES = 256 * 1024 * 1024
+_MAX_SEGMENTS = 64
+
+
+@triton.jit
+def _first_block(query_start, seq, BLOCK_Q: tl.constexpr):
+    if BLOCK_Q == 1:
+        return query_start
+    else:
+        return query_start // BLOCK_Q + seq
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """Last sequence whose first query block is <= q_block (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = _first_block(tl.load(query_start_loc_ptr + mid), mid, BLOCK_Q)
+        go_right = first <= q_block
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    if BLOCK_Q == 1:
+        # Decode batches map token i to sequence i: check that guess with two loads that
+        # issue together before paying for a binary search of dependent loads.
+        guess = tl.minimum(q_block, num_seqs - 1)
+        guess_start = tl.load(query_start_loc_ptr + guess)
+        guess_end = tl.load(query_start_loc_ptr + guess + 1)
+        if (guess_start <= q_block) & (q_block < guess_end):
+            seq = guess
+        else:
+            seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - _first_block(q_start, seq, BLOCK_Q)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = local_block * BLOCK_Q + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (rows // GROUP_PAD < BLOCK_Q) & (q_local < q_len) & (head_in_group < GROUP)
+    q_pos = context_len - q_len + q_local
+    token = (q_start + q_local).to(tl.int64)
+    dims = tl.arange(0, HEAD_PAD)
+    # A mask along the head dim, even an all-true one, stops the compiler from proving
+    # 16-byte runs and turns every K/V load into 2-byte loads that cannot be pipelined:
+    # only padded head sizes get one.
+    if HEAD_PAD == HEAD_SIZE:
+        dim_valid = tl.full([HEAD_PAD], 1, tl.int1)
+    else:
+        dim_valid = dims < HEAD_SIZE
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # Keys this block may see: up to its last query's position (causal), clipped to the
+    # segment this program owns when the KV range is split.
+    last_q_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = tl.minimum(context_len, context_len - q_len + last_q_local + 1)
+    if NUM_SEGMENTS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        tiles_per_segment = tl.cdiv(tl.cdiv(context_len, TILE_N), NUM_SEGMENTS)
+        kv_lo = segment * tiles_per_segment * TILE_N
+        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_segment * TILE_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+
+    for tile_start in range(kv_lo, kv_hi, TILE_N):
+        key_pos = tile_start + offs_n
+        key_valid = key_pos < kv_hi
+        # One block-id load per key keeps every block size (1..256) on one code path;
+        # for blocks >= TILE_N the loads hit the same address and cost nothing extra.
+        block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        block = block.to(tl.int64)
+        in_block = key_pos % BLOCK_SIZE
+        k_rows = block * stride_kb + in_block * stride_ks
+        v_rows = block * stride_vb + in_block * stride_vs
+        k = tl.load(
+            k_head_ptr + k_rows[None, :] + dims[:, None],
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
+        if FP32_DOT:
+            scores = tl.dot(q, k, input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * qk_scale
+        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # Rows with nothing visible yet keep m = -inf; shift them by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.math.exp2(scores - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            v_head_ptr + v_rows[:, None] + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SEGMENTS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        result = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+    num_seqs, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    # Rows past the last sequence (batch padding) were never computed.
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    segments = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_PAD)
+    part = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + segments
+    seg_max = tl.load(part_max_ptr + part)
+    seg_sum = tl.load(part_sum_ptr + part)
+    top = tl.max(seg_max, axis=0)
+    weight = tl.math.exp2(seg_max - top)  # empty segments: exp2(-inf) = 0
+    denom = tl.sum(weight * seg_sum, axis=0)
+    seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :])
+    result = tl.sum(seg_acc * weight[:, None], axis=0) / denom
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        result.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_SIZE,
+    )
+
+
+def _num_segments(num_programs: int, partial_bytes_per_segment: int, device: torch.device) -> int:
+    """Split the KV range until about two waves of programs fill the GPU."""
+    target = 2 * num_sms(device)
+    if num_programs >= target:
+        return 1
+    segments = triton.next_power_of_2(triton.cdiv(target, num_programs))
+    while segments > 1 and segments * partial_bytes_per_segment > _MAX_PARTIAL_BYTES:
+        segments //= 2
+    return min(segments, _MAX_SEGMENTS)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    *,
+    block_m: int | None = None,
+    tile_n: int | None = None,
+    num_segments: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``kernels.attention.paged_attention_ref``. The keyword-only
+    arguments override the tiling heuristics (benchmarks and tests use them)."""
+    num_tokens, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs the head dimension contiguous")
+    if v_cache.stride(-1) != 1 or block_size & (block_size - 1):
+        raise ValueError("paged_attention needs a contiguous head dim and power-of-2 blocks")
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    # Every sequence has exactly one query token when T == B (or the caller says so):
+    # decode tiling, one token per program. Any other batch takes query tiles. Both
+    # tilings are exact for every input; the choice only affects speed.
+    decode = max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs)
+    if decode and block_m is None:
+        block_q = 1
+        block_m = max(16, group_pad)
+    else:
+        # Measured on H200 (kernel_check sweep, kernels/NOTES.md): 32-key tiles and 4 warps
+        # win for every prefill size; 128-row query tiles only pay from ~4k tokens.
+        block_m = block_m or (128 if num_tokens >= 4096 and head_size <= 128 else 64)
+        block_m = max(block_m, group_pad, 16)
+        block_q = max(1, block_m // group_pad)
+    if tile_n is None:
+        tile_n = 64 if block_q == 1 and head_size <= 128 else 32
+    tile_n = max(16, tile_n)
+    num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+
+    if num_segments is None:
+        partial = num_tokens * num_heads * (head_pad + 2) * 4
+        num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, q.device)
+    if num_segments > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_segments, head_pad), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_segments), dtype=torch.float32, device=q.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched
+
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared
+        # memory buffers, more resident programs); prefill keeps three.
+        num_stages = 2 if block_q == 1 else 3
+    log2e = 1.4426950408889634
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+        q, k_cache, v_cache, out,
+        part_acc, part_max, part_sum,
+        block_tables, seq_lens, query_start_loc,
+        scale * log2e, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
+        FP32_DOT=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_segments > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc,
+            num_seqs, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            NUM_SEGMENTS=num_segments,
+            num_warps=4 if head_pad >= 128 else 2,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,116 @@
+"""Paged attention: Triton kernel vs the float32 reference and a float64 ground truth."""
+
+import pytest
+import torch
+
+from kernels import paged_attention, paged_attention_ref
+from kernels._float64 import attention64, rel_err
+
+# Relative error bounds (norm-wise) against the float64 truth, per storage dtype.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    padding_tokens: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Random q and caches; each sequence's blocks are scattered over a shuffled pool."""
+    max_blocks = max(-(-length // block_size) for length in context_lens)
+    num_blocks = len(context_lens) * max_blocks + 2
+    pool = torch.randperm(num_blocks)[: len(context_lens) * max_blocks]
+    num_tokens = sum(query_lens) + padding_tokens
+    cumulative = torch.tensor([0, *query_lens]).cumsum(0)
+    return {
+        "q": torch.randn(num_tokens, num_heads, head_size).to(dtype),
+        "k_cache": torch.randn(num_blocks, block_size, num_kv_heads, head_size).to(dtype),
+        "v_cache": torch.randn(num_blocks, block_size, num_kv_heads, head_size).to(dtype),
+        "block_tables": pool.view(len(context_lens), max_blocks).to(torch.int32),
+        "seq_lens": torch.tensor(context_lens, dtype=torch.int32),
+        "query_start_loc": cumulative.to(torch.int32),
+    }
+
+
+def check(batch: dict[str, torch.Tensor], dtype: torch.dtype, **overrides: int) -> None:
+    from kernels._triton import attention as triton_attention
+
+    scale = batch["q"].shape[-1] ** -0.5
+    covered = int(batch["query_start_loc"][-1])
+    poisoned = torch.full_like(batch["q"], float("nan"))
+    if overrides:
+        out = triton_attention.paged_attention(**batch, scale=scale, out=poisoned, **overrides)
+    else:
+        out = paged_attention(**batch, scale=scale, out=poisoned)
+    assert out.data_ptr() == poisoned.data_ptr()
+    out = out[:covered]
+    assert not out.isnan().any(), "kernel left output rows unwritten"
+    truth = attention64(**batch, scale=scale)[:covered]
+    reference = paged_attention_ref(**batch, scale=scale)[:covered]
+    assert rel_err(out, truth) <= TOLERANCE[dtype]
+    assert rel_err(reference, truth) <= TOLERANCE[dtype]
+    assert rel_err(out, reference) <= 2 * TOLERANCE[dtype]
+
+
+MIXES = {
+    # name: (query lengths, context lengths)
+    "decode": ([1, 1, 1, 1], [1, 17, 40, 70]),
+    "prefill": ([19, 5], [19, 5]),
+    "chunked": ([8, 3], [40, 20]),
+    "mixed": ([1, 12, 1, 0, 5], [33, 12, 2, 9, 30]),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_mixes_and_block_sizes(mix: str, block_size: int) -> None:
+    torch.manual_seed(block_size + len(mix))
+    query_lens, context_lens = MIXES[mix]
+    batch = make_batch(query_lens, context_lens, 4, 2, 64, block_size, torch.float32)
+    check(batch, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_size"), [(6, 2, 128), (2, 2, 64)])
+def test_dtypes_heads_and_gqa(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> None:
+    torch.manual_seed(num_heads * head_size)
+    batch = make_batch([1, 9, 1], [24, 30, 7], num_heads, num_kv_heads, head_size, 16, dtype)
+    check(batch, dtype)
+
+
+@pytest.mark.parametrize("num_segments", [2, 8])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_split_kv_decode(num_segments: int, block_size: int) -> None:
+    """Flash-decoding: segments, some of them empty, merged by the second kernel."""
+    torch.manual_seed(num_segments)
+    batch = make_batch([1, 1, 1], [3, 50, 90], 8, 2, 64, block_size, torch.bfloat16)
+    check(batch, torch.bfloat16, num_segments=num_segments, tile_n=16)
+
+
+def test_split_kv_prefill_chunk() -> None:
+    torch.manual_seed(1)
+    batch = make_batch([10, 1], [60, 33], 4, 1, 64, 16, torch.float32)
+    check(batch, torch.float32, num_segments=4, block_m=16, tile_n=16)
+
+
+def test_padding_tokens_and_hint() -> None:
+    """Rows past the last sequence (CUDA-graph padding) are left alone; a hint changes
+    only the tiling."""
+    torch.manual_seed(2)
+    batch = make_batch([1, 1], [20, 9], 4, 2, 64, 16, torch.float32, padding_tokens=2)
+    check(batch, torch.float32)
+    check(batch, torch.float32, max_query_len=1)
+    check(batch, torch.float32, max_query_len=4)
+
+
+def test_head_size_32_and_256() -> None:
+    for head_size in (32, 256):
+        torch.manual_seed(head_size)
+        batch = make_batch([3, 1], [10, 21], 4, 2, head_size, 16, torch.float32)
+        check(batch, torch.float32)
