@@ -76,3 +76,32 @@ def test_prefix_caching_skips_shared_prefix(tiny):
     assert [o.outputs[0].token_ids for o in first + rest] == [
         o.outputs[0].token_ids for o in expected
     ]
+
+
+def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
+    """Llama 3.x frequency scaling, with prompts past the original context, and tied
+    input/output embeddings."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+            "rope_theta": 500000.0}
+    model = build_tiny_model(tmp_path, "llama", tie_word_embeddings=True, rope_parameters=rope)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 70, 130)]
+    got, _ = run(tmp_path, prompts)
+    assert got == hf_greedy(model, prompts, NEW_TOKENS)
+
+
+def test_config_v4_and_v5_rope_layouts_agree():
+    from inference.models.config import ModelConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    v4 = ModelConfig.from_dict({**base, "rope_theta": 5e5,
+                                "rope_scaling": {"rope_type": "llama3", **scaling}})
+    v5 = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3",
+                                                            "rope_theta": 5e5, **scaling}})
+    assert (v4.rope_theta, v4.rope_scaling) == (v5.rope_theta, v5.rope_scaling)
+    plain = ModelConfig.from_dict({**base, "rope_scaling": {"type": "default"}})
+    assert plain.rope_scaling is None and plain.rope_theta == 10000.0

@@ -1,0 +1,57 @@
+"""Plots from bench JSON: batch size vs output throughput and TPOT (latency sweeps),
+written as PNG next to the results. ``python -m inference.bench.plot results/*.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def plot_latency_sweeps(paths: list[Path], out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    for path in paths:
+        data = json.loads(path.read_text())
+        for r in data if isinstance(data, list) else [data]:
+            if r.get("workload") == "latency":
+                label = f"{r.get('engine', 'pagoda')} {r['model']}"
+                series[label].append((r["batch_size"], r["output_tok_s"], r["tpot_ms"]))
+    if not series:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, points in sorted(series.items()):
+        points.sort()
+        batch = [p[0] for p in points]
+        ax1.plot(batch, [p[1] for p in points], marker="o", label=label)
+        ax2.plot(batch, [p[2] for p in points], marker="o", label=label)
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests at once)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax1.set_title("throughput vs batch size (512 in / 128 out)")
+    ax2.set_title("time per output token vs batch size")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
+    if not paths:
+        print("usage: python -m inference.bench.plot RESULT.json ...", file=sys.stderr)
+        return 2
+    out = plot_latency_sweeps(paths, paths[0].parent / "latency_sweep.png")
+    print(out or "no latency results to plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
