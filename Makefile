@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
-#   make run   - start pagoda on CPU with the embedded SmolLM2-135M-Instruct model
+#   make run   - the OpenAI-compatible server on CPU with the embedded SmolLM2-135M-Instruct
+#                model, on 127.0.0.1:8000 (it prints a curl example once ready)
 #   make test  - the whole CPU test suite
 # Both create or refresh .venv at the repo root and install what they need.
 
@@ -28,9 +29,10 @@ tools: $(VENV)
 	bash scripts/fetch-k8s-tools.sh .tools
 
 run: venv
-	$(PY) -m inference.cli demo
+	$(VENV)/bin/pagoda serve default --host 127.0.0.1 --port 8000 --device cpu --max-model-len 4096
 
 test: venv tools
+	$(VENV)/bin/ruff check inference kernels operator tests e2e scripts
 	$(PY) -m pytest -q tests
 
 lint: venv

@@ -1,0 +1,234 @@
+"""Prometheus metrics under vLLM's names and labels.
+
+Dashboards, KEDA triggers and inference gateways in the wild read ``vllm:*`` series with a
+``model_name`` label, so we export exactly those. Everything here runs on the engine thread
+(the ``StepObserver`` hooks of AsyncLLMEngine): gauges are refreshed from ``engine.stats()``
+after every step, counters advance by the deltas of the engine's running totals, and the
+per-request histograms are fed from timestamps taken right after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from inference.outputs import RequestOutput
+
+# vLLM exports no `*_created` series; dashboards and recording rules do not expect them.
+disable_created_metrics()
+
+# vLLM's buckets, with finer steps below 10 ms for inter-token latency: a GPU decode step
+# is a few milliseconds, and vLLM's first ITL bucket (10 ms) would hide all of it.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISHED_REASONS = ("stop", "length", "abort")
+
+# EngineStats running totals -> the counter each one feeds.
+_TOTALS = {
+    "num_preemptions_total": "num_preemptions",
+    "prompt_tokens_total": "prompt_tokens",
+    "generation_tokens_total": "generation_tokens",
+    "prefix_cache_queries_total": "prefix_cache_queries",
+    "prefix_cache_hits_total": "prefix_cache_hits",
+}
+
+
+@dataclass
+class _RequestTiming:
+    arrival_time: float
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own (tests run several servers in one
+    process, and the default registry would mix their series)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Requests in the running batch."
+        )
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."
+        )
+        self.counters = {
+            "num_preemptions": counter(
+                "vllm:num_preemptions", "Preemptions (requests evicted to free KV blocks)."
+            ),
+            "prompt_tokens": counter("vllm:prompt_tokens", "Prefill tokens processed."),
+            "generation_tokens": counter("vllm:generation_tokens", "Tokens generated."),
+            "prefix_cache_queries": counter(
+                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            ),
+            "prefix_cache_hits": counter(
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            ),
+        }
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self._engine_info, self._cache_info = self._info_gauges()
+        self._last_totals: dict[str, float] = {}
+        self._timings: dict[str, _RequestTiming] = {}
+
+    def _info_gauges(self) -> tuple[Gauge, Gauge]:
+        """Settings as labels: the operator and dashboards read the live configuration."""
+        engine_info = Gauge(
+            "pagoda:engine_config_info",
+            "The live engine settings, as labels (value is always 1).",
+            [
+                "model_name", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "gpu_memory_utilization", "block_size", "tensor_parallel_size",
+                "num_kv_blocks", "enable_prefix_caching", "dtype", "device",
+            ],
+            registry=self.registry,
+        )  # fmt: skip
+        cache_info = Gauge(
+            "vllm:cache_config_info",
+            "KV-cache settings, as labels (value is always 1).",
+            [
+                "model_name", "block_size", "gpu_memory_utilization",
+                "num_gpu_blocks", "enable_prefix_caching",
+            ],
+            registry=self.registry,
+        )  # fmt: skip
+        return engine_info, cache_info
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ----- StepObserver hooks (engine thread) -------------------------------------------
+
+    def on_ready(self, engine: Any) -> None:
+        config = engine.config
+        num_blocks = str(getattr(engine, "num_total_blocks", ""))
+        self._engine_info.labels(
+            model_name=self.model_name,
+            max_num_seqs=str(config.max_num_seqs),
+            max_num_batched_tokens=str(config.max_num_batched_tokens),
+            max_model_len=str(config.max_model_len),
+            gpu_memory_utilization=str(config.gpu_memory_utilization),
+            block_size=str(config.block_size),
+            tensor_parallel_size=str(config.tensor_parallel_size),
+            num_kv_blocks=num_blocks,
+            enable_prefix_caching=str(config.enable_prefix_caching),
+            # The resolved values ("auto" says nothing about what is running).
+            dtype=str(getattr(engine, "dtype", config.dtype)).removeprefix("torch."),
+            device=str(getattr(engine, "device", config.device)),
+        ).set(1)
+        self._cache_info.labels(
+            model_name=self.model_name,
+            block_size=str(config.block_size),
+            gpu_memory_utilization=str(config.gpu_memory_utilization),
+            num_gpu_blocks=num_blocks,
+            enable_prefix_caching=str(config.enable_prefix_caching),
+        ).set(1)
+        # The warm-up request is not traffic: counters start from the engine's totals now.
+        stats = engine.stats()
+        self._last_totals = {field: getattr(stats, field) for field in _TOTALS}
+        self.on_stats(stats)
+
+    def on_add(self, request_id: str, arrival_time: float) -> None:
+        self._timings[request_id] = _RequestTiming(arrival_time)
+
+    def on_abort(self, request_id: str) -> None:
+        if self._timings.pop(request_id, None) is not None:
+            self.request_success["abort"].inc()
+
+    def on_stats(self, stats: Any) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for field, name in _TOTALS.items():
+            value = getattr(stats, field)
+            delta = value - self._last_totals.get(field, 0)
+            if delta > 0:
+                self.counters[name].inc(delta)
+            self._last_totals[field] = value
+
+    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
+        self.on_stats(stats)
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is not None:
+                self._observe(output, timing, now)
+
+    def _observe(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
+        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        if num_tokens > timing.num_tokens:
+            if timing.first_token_time is None:
+                timing.first_token_time = now
+                self.ttft.observe(max(0.0, now - timing.arrival_time))
+            else:
+                self.itl.observe(now - (timing.last_token_time or now))
+            timing.last_token_time = now
+            timing.num_tokens = num_tokens
+        if not output.finished:
+            return
+        del self._timings[output.request_id]
+        self.e2e.observe(max(0.0, now - timing.arrival_time))
+        scheduled = output.metrics.first_scheduled_time if output.metrics else None
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - timing.arrival_time))
+        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+        reason = reasons[0] if reasons else "abort"
+        counter = self.request_success.get(reason)
+        if counter is not None:
+            counter.inc()

@@ -1,0 +1,304 @@
+"""What completions and chat completions share: model check, prompt preparation, limits,
+SamplingParams, running a request against the async engine, logprob and usage shapes.
+
+Prompts are tokenized here rather than in the engine so that the length limits are checked
+(and a 400 naming them returned) before anything is queued, and so that usage counts are
+known without waiting for the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from inference.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from inference.outputs import Logprob, RequestOutput
+from inference.sampling_params import SamplingParams
+from inference.server.errors import APIError
+from inference.server.protocol import _SamplingFields
+
+T = TypeVar("T")
+
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens with this value.
+MIN_LOGPROB = -9999.0
+RETRY_AFTER_S = 1
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+@dataclass
+class PreparedPrompt:
+    text: str | None  # the prompt as text, for echo; None if the client sent token ids
+    token_ids: list[int]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        try:
+            return self.engine.engine.tokenizer
+        except EngineNotReadyError as exc:
+            raise APIError(503, str(exc)) from exc
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.config.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"{', '.join(self.served_model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ready(self) -> None:
+        if not self.engine.ready:
+            raise APIError(503, "the model is not ready (loading, warming up or draining)")
+
+    # ----- prompts and limits -----------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.vocab_size
+        bad = [t for t in token_ids if t >= vocab_size]
+        if bad:
+            raise APIError(
+                400, f"{param} has token ids outside [0, {vocab_size}): {bad[:5]}", param=param
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        engine = self.engine.engine
+        model_config = getattr(engine, "model_config", None)
+        return int(getattr(model_config, "vocab_size", None) or len(engine.tokenizer))
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for output.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} for max_tokens). Please reduce the prompt or "
+                "max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def sampling_params(
+        self, req: _SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if req.n > self.engine.config.max_num_seqs:
+            raise APIError(
+                400,
+                f"n={req.n} exceeds max_num_seqs={self.engine.config.max_num_seqs}",
+                param="n",
+            )
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        top_k = req.top_k or 0
+        if top_k >= self.vocab_size:
+            top_k = 0  # keeping every token is the same as no top-k
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    # ----- running requests -------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def generate(
+        self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts as ``(prompt_index, output)``, interleaved as produced."""
+        arrival = time.time()
+        if len(prompts) == 1:
+            return _tag(self.engine.generate(prompts[0].token_ids, params, request_id, arrival))
+        streams = [
+            self.engine.generate(p.token_ids, params, f"{request_id}-{i}", arrival)
+            for i, p in enumerate(prompts)
+        ]
+        return _merge(streams)
+
+    async def first_output(
+        self, raw: Request, stream: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> tuple[int, RequestOutput]:
+        """Wait for the first output, so that admission errors (queue full, bad prompt)
+        become a proper HTTP status instead of an error inside a started stream."""
+        try:
+            return await until_disconnected(raw, anext(stream))
+        except StopAsyncIteration as exc:
+            raise APIError(500, "the request produced no output") from exc
+        except BaseException:
+            await stream.aclose()
+            raise
+
+
+async def _tag(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        async for output in stream:
+            yield 0, output
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; if the client disconnects first, cancel it (which aborts its
+    engine requests) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    """The API error for an exception raised by the async engine, or None if unexpected."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(
+            429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+    if isinstance(exc, (EngineNotReadyError, RequestAbortedError)):
+        return APIError(503, str(exc) or "the request was aborted")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return None
+
+
+def usage(prompts: list[PreparedPrompt], outputs: dict[int, RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for output in outputs.values() for c in output.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
+def token_text(tokenizer: Any, token_id: int, logprob: Logprob | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def top_logprobs(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
+    """The ``limit`` most likely tokens of one position, best first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return ranked[:limit]

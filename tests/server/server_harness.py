@@ -1,0 +1,133 @@
+"""Real uvicorn servers for the server tests: in a thread of the test process (so tests can
+look at the engine's KV blocks) or as a `pagoda serve` subprocess (for signals)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from inference.async_engine import AsyncLLMEngine
+from inference.config import EngineConfig
+from inference.server.app import build_app
+from inference.server.metrics import ServerMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 180.0
+# The shared tiny-model server: small enough that every request finishes fast on two CPU
+# cores, big enough for the limit tests (prompt + max_tokens > max_model_len) to mean something.
+TINY_MAX_MODEL_LEN = 256
+TINY_NUM_KV_BLOCKS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(base_url: str, timeout: float = READY_TIMEOUT_S, proc=None, engine=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        if engine is not None and engine.failure is not None:
+            raise RuntimeError(f"engine failed to start: {engine.failure!r}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not ready after {timeout:.0f}s")
+
+
+class ServerThread:
+    """The app under a real uvicorn server on a loopback socket, in a background thread."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        served_model_names: list[str] | None = None,
+        api_key: str | None = None,
+        max_queue_len: int | None = None,
+        shutdown_grace_s: float = 5.0,
+        **engine_kwargs,
+    ) -> None:
+        import uvicorn
+
+        engine_kwargs.setdefault("device", "cpu")
+        names = served_model_names or [Path(model).name]
+        config = EngineConfig.from_kwargs(model, served_model_name=names[0], **engine_kwargs)
+        self.metrics = ServerMetrics(names[0])
+        self.engine = AsyncLLMEngine(config, max_queue_len=max_queue_len, observer=self.metrics)
+        self.app = build_app(
+            self.engine, self.metrics, names, api_key=api_key, shutdown_grace_s=shutdown_grace_s
+        )
+        self.model_name = names[0]
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        uv_config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(uv_config)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(sockets=[self._sock])), daemon=True
+        )
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        try:
+            wait_ready(self.base_url, engine=self.engine)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+    def stats(self):
+        return self.engine.stats
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no request is in flight and the engine has published idle stats."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.engine.stats
+            if self.engine.num_in_flight == 0 and stats.num_running + stats.num_waiting == 0:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("server did not become idle")
+
+
+def start_subprocess_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """`pagoda serve` as its own process; returns (process, base_url) once it is ready."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "inference.server.cli_serve", model,
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--disable-uvicorn-access-log", *args,
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, proc=proc)
+    except BaseException:
+        proc.kill()
+        print(proc.communicate(timeout=10)[0])
+        raise
+    return proc, base_url
