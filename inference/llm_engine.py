@@ -452,8 +452,11 @@ def _resolve_lengths(config: EngineConfig, cfg: ModelConfig, device: torch.devic
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
         )
+    on_gpu = device.type == "cuda"
+    if config.max_num_seqs is None:
+        config.max_num_seqs = 1024 if on_gpu else 256
     if config.max_num_batched_tokens is None:
-        config.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+        config.max_num_batched_tokens = 16384 if on_gpu else 2048
 
 
 def _check_capacity(config: EngineConfig, num_blocks: int) -> None:

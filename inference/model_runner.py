@@ -208,7 +208,7 @@ class DecodeGraphs:
         max_bs = cfg.max_num_seqs
         self.batch_sizes = sorted(
             {b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
-                         384, 448, 512) if b <= max_bs} | {max_bs}
+                         384, 448, 512, 640, 768, 896, 1024) if b <= max_bs} | {max_bs}
         )
         max_blocks = -(-cfg.max_model_len // runner.block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)

@@ -4,6 +4,7 @@ result record every published run keeps (inference/bench/results/*.json)."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -38,14 +39,41 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_bench_model(model: str) -> tuple[str, dict[str, Any]]:
-    """A named shape becomes a folder holding only its config.json, loaded with random
-    weights; anything else is a model folder loaded as usual."""
+def resolve_bench_model(model: str, with_tokenizer: bool = False) -> tuple[str, dict[str, Any]]:
+    """A named shape becomes a folder holding its config.json (and, for the server, a
+    synthetic tokenizer in ``tokenizer/``), loaded with random weights; anything else is a model folder
+    loaded as usual."""
     if model in SHAPES:
         folder = Path(tempfile.mkdtemp(prefix=f"pagoda-{model}-"))
         (folder / "config.json").write_text(json.dumps(SHAPES[model]))
+        if with_tokenizer:
+            # Its own folder: beside config.json, AutoTokenizer would pick the model
+            # family's tokenizer class instead of this one.
+            write_synthetic_tokenizer(folder / "tokenizer", SHAPES[model]["vocab_size"],
+                                      SHAPES[model]["eos_token_id"])
         return str(folder), {"load_format": "dummy"}
     return model, {}
+
+
+def write_synthetic_tokenizer(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer with exactly ``vocab_size`` entries ("w0", "w1", ...), so a
+    random-weight model can be served end to end (text in, text out) without the real
+    model's tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"\u2581w{i}": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="\u2581w0"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    core.decoder = decoders.Metaspace(prepend_scheme="always")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="\u2581w0", eos_token=f"\u2581w{eos_token_id}"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    tokenizer.save_pretrained(folder)
 
 
 def hardware() -> str:
@@ -60,6 +88,10 @@ def hardware() -> str:
 
 
 def commit() -> str:
+    """The checkout's commit; PAGODA_COMMIT names it where the tree has no .git (a copied
+    working tree on a benchmark machine)."""
+    if os.environ.get("PAGODA_COMMIT"):
+        return os.environ["PAGODA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, check=True, cwd=Path(__file__).parent)
@@ -90,7 +122,7 @@ def add_engine_args(parser) -> None:
                         help=f"model folder or a named shape: {', '.join(SHAPES)}")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
