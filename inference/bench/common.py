@@ -106,9 +106,17 @@ def record(workload: str, **fields: Any) -> dict[str, Any]:
         **fields,
         "hardware": hardware(),
         "commit": commit(),
-        "command": " ".join(["pagoda", *sys.argv[1:]]) if sys.argv else "",
+        "command": _command_line(workload),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _command_line(workload: str) -> str:
+    """The command as a user would type it, also when run as ``python -m inference.bench.X``."""
+    args = sys.argv[1:]
+    if sys.argv and Path(sys.argv[0]).stem == workload:
+        return " ".join(["pagoda", "bench", workload, *args])
+    return " ".join(["pagoda", *args])
 
 
 def write_json(path: str | None, result: dict[str, Any] | list[dict[str, Any]]) -> None:
