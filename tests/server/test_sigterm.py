@@ -9,6 +9,7 @@ import time
 
 import httpx
 from server_harness import start_subprocess_server
+from tiny_models import build_tiny_model
 
 
 def stream_completion(base_url: str, body: dict, result: dict, first_chunk: threading.Event):
@@ -67,13 +68,16 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
     assert "Finished server process" in output
 
 
-def test_sigterm_grace_period_bounds_the_wait(tiny_model):
+def test_sigterm_grace_period_bounds_the_wait(tmp_path):
+    # A request of 6,000 tokens takes seconds even for a tiny model on a fast machine: far
+    # longer than the 1 s grace period.
+    build_tiny_model(tmp_path, "llama", max_position_embeddings=8192)
     proc, base_url = start_subprocess_server(
-        tiny_model, "--num-kv-blocks", "64", "--max-model-len", "512",
+        str(tmp_path), "--num-kv-blocks", "600", "--max-model-len", "8192",
         "--shutdown-grace-seconds", "1",
     )  # fmt: skip
     try:
-        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        body = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True, "stream": True}
         result: dict = {}
         first_chunk = threading.Event()
         client = threading.Thread(
@@ -90,4 +94,4 @@ def test_sigterm_grace_period_bounds_the_wait(tiny_model):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
-    assert not result.get("done"), "500 tokens cannot finish within a 1 s grace period"
+    assert not result.get("done"), "6,000 tokens cannot finish within a 1 s grace period"
