@@ -310,10 +310,28 @@ def desired_service_monitor(llmd: dict[str, Any]) -> dict[str, Any]:
     body = {
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
-            "endpoints": [{"port": c.ENGINE_PORT_NAME, "path": c.METRICS_PATH, "interval": "15s"}],
+            "endpoints": [
+                {
+                    "port": c.ENGINE_PORT_NAME,
+                    "path": c.METRICS_PATH,
+                    "interval": "15s",
+                    # The tuner selects an LLMDeployment's series by these labels.
+                    "relabelings": [
+                        {
+                            "sourceLabels": [_pod_label_meta(c.LABEL_OWNER)],
+                            "targetLabel": "llmdeployment",
+                        }
+                    ],
+                }
+            ],
         }
     }
     return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body)
+
+
+def _pod_label_meta(label: str) -> str:
+    """Prometheus's meta label for a pod label: every non-alphanumeric becomes '_'."""
+    return "__meta_kubernetes_pod_label_" + "".join(ch if ch.isalnum() else "_" for ch in label)
 
 
 def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:

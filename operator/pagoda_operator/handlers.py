@@ -22,6 +22,7 @@ from pagoda_operator.reconcile import (
     reconcile,
     refresh_status_from_deployment,
 )
+from pagoda_operator.tuning import runner as tuning
 
 
 def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
@@ -113,6 +114,32 @@ async def deployment_changed(
             service_monitors=memo.service_monitors,
             logger=logger,
         )
+
+
+@kopf.timer(
+    c.GROUP,
+    c.VERSION,
+    c.PLURAL,
+    id="tuner",
+    interval=tuning.interval_seconds(),
+    initial_delay=tuning.interval_seconds(),
+    when=tuning.tuning_enabled,
+)
+async def tune_llmdeployment(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    # Errors must not reach kopf: it would keep them in the object and retry at its own
+    # pace. The next window simply tries again.
+    try:
+        await tuning.tune(
+            memo.client,
+            plain(body),
+            emit=event_emitter(body),
+            logger=logger,
+            window_s=tuning.window_seconds(),
+        )
+    except Exception:
+        logger.exception("Tuner window failed; holding until the next one")
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:

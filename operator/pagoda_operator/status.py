@@ -48,6 +48,26 @@ def merge_conditions(
     return merged
 
 
+def foreign_conditions(conditions: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Conditions other parts of the operator own (the tuner's MetricsAvailable): carried
+    over unchanged, since a merge patch of ``conditions`` replaces the whole list."""
+    return [
+        {key: value for key, value in cond.items() if key != "lastTransitionTime"}
+        for cond in conditions or []
+        if cond.get("type") not in CONDITION_TYPES
+    ]
+
+
+def set_condition(
+    conditions: list[dict[str, Any]] | None, new: dict[str, Any], now: str
+) -> list[dict[str, Any]]:
+    """``conditions`` with the one of ``new``'s type replaced (or added), the rest as they are."""
+    previous = list(conditions or [])
+    others = [cond for cond in previous if cond.get("type") != new["type"]]
+    merged = merge_conditions(previous, [new], now)
+    return others + merged
+
+
 def spec_problem_status(
     llmd: dict[str, Any], reason: str, message: str, now: str
 ) -> dict[str, Any]:
@@ -66,6 +86,7 @@ def spec_problem_status(
         kept.append(condition(PROGRESSING, False, reason, "Waiting for a valid spec"))
     current = kept + [condition(DEGRADED, True, reason, message)]
     current.sort(key=lambda cond: CONDITION_TYPES.index(cond["type"]))
+    current += foreign_conditions(previous_conditions)
     return {
         "phase": DEGRADED,
         "observedGeneration": (llmd.get("metadata") or {}).get("generation"),
@@ -96,6 +117,7 @@ def workload_status(
     if spec_problem is not None:
         current = [cond for cond in current if cond["type"] != DEGRADED] + [spec_problem]
         phase = DEGRADED
+    current = current + foreign_conditions(previous.get("conditions"))
 
     return {
         "phase": phase,

@@ -479,3 +479,14 @@ def test_phase_events() -> None:
         "Phase Progressing -> Available: 1/1 replicas ready",
     )
     assert phase_event("Available", status) is None
+
+
+def test_service_monitor_labels_series_with_the_llmdeployment():
+    from pagoda_operator.desired import desired_service_monitor
+
+    monitor = desired_service_monitor(llmd())
+    relabel = monitor["spec"]["endpoints"][0]["relabelings"][0]
+    assert relabel == {
+        "sourceLabels": ["__meta_kubernetes_pod_label_pagoda_dev_llmdeployment"],
+        "targetLabel": "llmdeployment",
+    }

@@ -1,0 +1,116 @@
+"""Judging an applied change on the first full window after its rollout: keep or revert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator.tuning.model import (
+    REPLICAS,
+    Decision,
+    Limits,
+    PolicyConfig,
+    Snapshot,
+    direction,
+    fmt,
+    record_move,
+)
+
+
+def watch_pending(
+    snapshot: Snapshot,
+    limits: Limits,
+    state: dict[str, Any],
+    now: float,
+    rollout_complete: bool,
+    config: PolicyConfig,
+) -> Decision | str:
+    """A hold while the change is still rolling out or settling; otherwise its verdict
+    (a revert Decision when it made things worse, a "kept" string when not)."""
+    pending = state["pending"]
+    change = f"{pending['knob']} {fmt(pending['from'])} -> {fmt(pending['to'])}"
+    if not rollout_complete:
+        pending["settledTime"] = None
+        return Decision("hold", f"waiting for the rollout of {change}")
+    if pending["settledTime"] is None:
+        pending["settledTime"] = now
+    if now - pending["settledTime"] < snapshot.window_s:
+        return Decision("hold", f"watching the first full window after {change}")
+    state["pending"] = None
+    worse = _made_worse(pending, snapshot, limits, config)
+    if worse is None:
+        return f"kept {change}: {_outcome_summary(pending['baseline'], snapshot)}"
+    knob, old, new = pending["knob"], pending["to"], pending["from"]
+    reason = f"reverted {change}: {worse}"
+    state["rejected"].append(
+        {"knob": knob, "value": old, "direction": direction(new, old),
+         "until": now + config.reject_cooldowns * limits.cooldown_s}
+    )  # fmt: skip
+    record_move(state, knob, old, new, now)
+    return Decision("revert", reason, knob, old, new, verdict=reason)
+
+
+def _made_worse(
+    pending: dict[str, Any], snapshot: Snapshot, limits: Limits, config: PolicyConfig
+) -> str | None:
+    """Why the window after the change is worse than the one before it, or None.
+
+    Each kind of change is judged by what it can break. Adding replicas cannot make an
+    engine slower (latency that is still high is a backlog draining), and lowering an
+    engine knob was a safety move: neither is reverted. Raising an engine knob can cause
+    OOM kills, preemptions or a throughput loss; removing a replica can break the SLO.
+    """
+    baseline = pending["baseline"]
+    raised = pending["to"] > pending["from"]
+    if pending["knob"] == REPLICAS:
+        return None if raised else _latency_regression(baseline, snapshot, limits, config)
+    if not raised:
+        return None
+    if (snapshot.oom_kills or 0) > 0:
+        return f"{fmt(snapshot.oom_kills)} OOM kills after raising it"
+    before_preempt = baseline.get("preemptionsPerSecond") or 0.0
+    preempt_floor = config.preemptions_per_pod_s * max(snapshot.pods, 1)
+    if (
+        snapshot.preemptions_per_s > preempt_floor
+        and snapshot.preemptions_per_s > before_preempt * 2 + preempt_floor
+    ):
+        return f"preemptions {before_preempt:.3g}/s -> {snapshot.preemptions_per_s:.3g}/s"
+    before_tokens = baseline.get("generationTokensPerSecond") or 0.0
+    if (
+        snapshot.requests_waiting > 0
+        and snapshot.generation_tokens_per_s < config.worse_throughput_ratio * before_tokens
+    ):
+        return (
+            f"generation {before_tokens:.4g} -> {snapshot.generation_tokens_per_s:.4g} tok/s "
+            "with requests still waiting"
+        )
+    before_itl, after_itl = baseline.get("itlP95Seconds"), snapshot.itl_p95_s
+    if (
+        limits.itl_target_s is not None
+        and after_itl is not None
+        and after_itl > limits.itl_target_s
+        and after_itl > (before_itl or 0.0) * config.worse_ratio
+    ):
+        return f"ITL p95 {fmt(before_itl)}s -> {after_itl:.3g}s, above {limits.itl_target_s:g}s"
+    return None
+
+
+def _latency_regression(
+    baseline: dict[str, Any], snapshot: Snapshot, limits: Limits, config: PolicyConfig
+) -> str | None:
+    before_ttft, after_ttft = baseline.get("ttftP95Seconds"), snapshot.ttft_p95_s
+    if (
+        after_ttft is not None
+        and after_ttft > limits.ttft_target_s
+        and after_ttft > (before_ttft or 0.0) * config.worse_ratio + config.worse_margin_s
+    ):
+        before = "n/a" if before_ttft is None else f"{before_ttft:.3g}s"
+        return f"TTFT p95 {before} -> {after_ttft:.3g}s, above the {limits.ttft_target_s:g}s target"
+    return None
+
+
+def _outcome_summary(baseline: dict[str, Any], snapshot: Snapshot) -> str:
+    before = baseline.get("ttftP95Seconds")
+    after = snapshot.ttft_p95_s
+    if before is None or after is None:
+        return "no latency regression"
+    return f"TTFT p95 {before:.3g}s -> {after:.3g}s"

@@ -1,0 +1,106 @@
+"""From a defaulted LLMDeployment spec to the tuner's view of it, and back.
+
+Which knobs the tuner may move, in which range, the SLO it aims for, the values running now,
+and the spec patch that applies one change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator.tuning.policy import (
+    GPU_MEMORY_UTILIZATION,
+    KNOBS,
+    MAX_NUM_SEQS,
+    REPLICAS,
+    Limits,
+)
+
+# Ranges for knobs the user gave no bounds for: wide enough to matter, narrow enough that
+# no single setting in them is reckless (0.95 leaves the CUDA context and NCCL room).
+DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {
+    MAX_NUM_SEQS: (1, 1024),
+    GPU_MEMORY_UTILIZATION: (0.5, 0.95),
+}
+DEFAULT_TTFT_P95_SECONDS = 1.0
+
+
+def current_settings(spec: dict[str, Any]) -> dict[str, float]:
+    engine = spec["engine"]
+    return {
+        REPLICAS: int(spec["replicas"]),
+        MAX_NUM_SEQS: int(engine["maxNumSeqs"]),
+        GPU_MEMORY_UTILIZATION: float(engine["gpuMemoryUtilization"]),
+    }
+
+
+def limits_from_spec(spec: dict[str, Any]) -> Limits:
+    tuning = spec.get("tuning") or {}
+    autoscaling = spec["autoscaling"]
+    pinned = set(tuning.get("pinned") or [])
+    fixed = {knob: "pinned in spec.tuning.pinned" for knob in KNOBS if knob in pinned}
+    if autoscaling["enabled"] and REPLICAS not in fixed:
+        fixed[REPLICAS] = "the HorizontalPodAutoscaler owns replicas (autoscaling.enabled)"
+    user_bounds = tuning.get("bounds") or {}
+    bounds: dict[str, tuple[float, float]] = {}
+    for knob in KNOBS:
+        if knob in fixed:
+            continue
+        if knob == REPLICAS:
+            low, high = autoscaling["minReplicas"], autoscaling["maxReplicas"]
+        else:
+            given = user_bounds.get(knob) or {}
+            default_low, default_high = DEFAULT_BOUNDS[knob]
+            low, high = given.get("min", default_low), given.get("max", default_high)
+        if low >= high:
+            fixed[knob] = f"its bounds allow a single value ({low:g})"
+            continue
+        bounds[knob] = (low, high)
+    slo = tuning.get("slo") or {}
+    return Limits(
+        bounds=bounds,
+        fixed=fixed,
+        cooldown_s=float(tuning.get("cooldownSeconds", 600)),
+        ttft_target_s=float(slo.get("ttftP95Seconds", DEFAULT_TTFT_P95_SECONDS)),
+        itl_target_s=slo.get("itlP95Seconds"),
+        max_num_batched_tokens=spec["engine"].get("maxNumBatchedTokens"),
+    )
+
+
+def spec_patch(knob: str, value: float) -> dict[str, Any]:
+    """The merge patch of spec that sets one knob."""
+    if knob == REPLICAS:
+        return {"replicas": int(value)}
+    if knob == MAX_NUM_SEQS:
+        return {"engine": {"maxNumSeqs": int(value)}}
+    if knob == GPU_MEMORY_UTILIZATION:
+        return {"engine": {"gpuMemoryUtilization": float(value)}}
+    raise ValueError(f"not a tunable knob: {knob}")
+
+
+def rollout_complete(
+    status: dict[str, Any], settings: dict[str, float], live: list[dict[str, str]]
+) -> bool:
+    """Whether the Deployment and every engine Prometheus sees run the spec's settings.
+
+    ``live`` are the label sets of the engines' ``pagoda:engine_config_info`` series; a pod
+    still loading, or an old one still draining, shows up there as a count or a value that
+    does not match.
+    """
+    replicas = settings[REPLICAS]
+    counts_ok = (
+        int(status.get("updatedReplicas") or 0) >= replicas
+        and int(status.get("readyReplicas") or 0) >= replicas
+        and int(status.get("replicas") or 0) <= replicas
+    )
+    if not counts_ok or len(live) != replicas:
+        return False
+    for labels in live:
+        try:
+            seqs = int(labels.get("max_num_seqs", ""))
+            memory = float(labels.get("gpu_memory_utilization", ""))
+        except ValueError:
+            return False
+        if seqs != settings[MAX_NUM_SEQS] or abs(memory - settings[GPU_MEMORY_UTILIZATION]) > 1e-6:
+            return False
+    return True

@@ -1,0 +1,151 @@
+"""The tuner's vocabulary: knob names, one window of metrics, the user's limits, the
+policy's thresholds and its decision."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+REPLICAS = "replicas"
+MAX_NUM_SEQS = "maxNumSeqs"
+GPU_MEMORY_UTILIZATION = "gpuMemoryUtilization"
+KNOBS = (REPLICAS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION)
+
+Action = Literal["hold", "change", "revert"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One window of engine metrics for one LLMDeployment, over all its engines.
+
+    Counts are totals over the engines (gauges averaged over the window); ``None`` means the
+    quantity is unknown: no request finished in the window (latencies) or no
+    kube-state-metrics series (restarts, OOM kills).
+    """
+
+    window_s: float
+    pods: int
+    kv_cache_usage: float
+    requests_waiting: float
+    requests_running: float
+    preemptions_per_s: float
+    ttft_p95_s: float | None
+    itl_p95_s: float | None
+    generation_tokens_per_s: float
+    requests_per_s: float  # finished, not aborted
+    restarts: float | None = None
+    oom_kills: float | None = None
+    aborted_per_s: float = 0.0  # requests clients gave up on
+    queue_growth_per_s: float = 0.0  # change of requests_waiting over the window
+    prompt_tokens_per_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The decision's inputs as status shows them: camelCase, rounded."""
+        names = {
+            "window_s": "windowSeconds",
+            "pods": "pods",
+            "kv_cache_usage": "kvCacheUsage",
+            "requests_waiting": "requestsWaiting",
+            "requests_running": "requestsRunning",
+            "preemptions_per_s": "preemptionsPerSecond",
+            "ttft_p95_s": "ttftP95Seconds",
+            "itl_p95_s": "itlP95Seconds",
+            "generation_tokens_per_s": "generationTokensPerSecond",
+            "requests_per_s": "requestsPerSecond",
+            "restarts": "restarts",
+            "oom_kills": "oomKills",
+            "aborted_per_s": "abortedPerSecond",
+            "queue_growth_per_s": "queueGrowthPerSecond",
+            "prompt_tokens_per_s": "promptTokensPerSecond",
+        }
+        return {names[key]: rounded(value) for key, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the user allows: bounds of the knobs the tuner may move, and the SLO."""
+
+    bounds: dict[str, tuple[float, float]]  # only the knobs the tuner may move
+    fixed: dict[str, str]  # knob -> why the tuner leaves it alone
+    cooldown_s: float
+    ttft_target_s: float
+    itl_target_s: float | None = None
+    max_num_batched_tokens: int | None = None  # maxNumSeqs may not exceed it
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds of the rules; the defaults are the product's, tests may tighten them."""
+
+    queue_per_pod: float = 1.0  # waiting requests per engine that count as a queue
+    busy_fraction: float = 0.9  # running / maxNumSeqs at which batch slots are the limit
+    kv_headroom: float = 0.75  # KV usage below which more sequences fit
+    kv_bound: float = 0.9  # KV usage at which the cache, not the batch, is the limit
+    preemptions_per_pod_s: float = 0.05  # sustained preemption rate that calls for action
+    idle_ttft_fraction: float = 0.5  # TTFT p95 below this share of the target is "idle"
+    idle_queue_per_pod: float = 0.1
+    scale_down_utilization: float = 0.6  # load per engine left after removing one
+    busy_utilization: float = 0.92  # demand per engine, of its saturated rate: scale up early
+    capacity_memory_cooldowns: float = 30.0  # how long a measured saturated rate is trusted
+    # Without a measured rate, batch slots are a poor proxy (an engine's compute saturates
+    # well before its slots do), so scaling down by them takes a much emptier batch.
+    scale_down_slots_utilization: float = 0.3
+    prompt_shift_ratio: float = 2.0  # prompts this much longer or shorter void a measured rate
+    scale_up_utilization: float = 0.85  # share of an engine's saturated rate to plan for
+    max_scale_up_factor: float = 3.0
+    windows_up: int = 2
+    aborts_per_pod_s: float = 0.5  # requests given up on that skip the hysteresis
+    severe_ttft_factor: float = 5.0  # TTFT p95 this far over target skips it too
+    windows_down: int = 4
+    windows_preempting: int = 3
+    worse_ratio: float = 1.5  # TTFT p95 this many times the baseline, above target: worse
+    worse_throughput_ratio: float = 0.65  # tokens/s below this share of the baseline: worse
+    worse_margin_s: float = 0.05
+    reversal_dwell_cooldowns: float = 2.0
+    reject_cooldowns: float = 10.0
+    oom_memory_cooldowns: float = 10.0
+    max_num_seqs_factor: float = 2.0
+    gpu_memory_step: float = 0.02
+
+
+DEFAULT_CONFIG = PolicyConfig()
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    knob: str | None = None
+    old: float | None = None
+    new: float | None = None
+    # How the change under watch turned out, when this window judged it.
+    verdict: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Proposal:
+    knob: str
+    new: float
+    reason: str
+
+
+def record_move(state: dict[str, Any], knob: str, old: float, new: float, now: float) -> None:
+    state["lastChangeTime"] = now
+    state["lastMove"][knob] = {"direction": direction(old, new), "time": now}
+
+
+def direction(old: float, new: float) -> int:
+    return (new > old) - (new < old)
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    return value

@@ -1,0 +1,450 @@
+"""The tuner's decision: one window of metrics in, at most one knob change out.
+
+Pure: the operator (``runner``), the simulator and the tests all call ``decide`` with plain
+values and a plain-dict ``state`` that lives in ``status.tuning.state`` between windows.
+
+What keeps it steady:
+
+- hysteresis: a condition must hold for several consecutive windows before it acts, and the
+  thresholds that push a knob up and down are far apart, so noise around one cannot trigger
+  the other;
+- a cooldown after every change, which also waits for the rollout to finish and for one full
+  window of metrics after it, so a change is never judged on a replica still loading;
+- step limits (maxNumSeqs at most doubles or halves, gpuMemoryUtilization moves 0.02,
+  replicas at most double going up and drop by one going down);
+- one knob at a time, never outside the user's bounds, never a knob the user pinned;
+- a change that made things worse is reverted and its value is not tried again for a while;
+  a knob that moved one way does not move back the other way until a dwell has passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from pagoda_operator.tuning.judge import watch_pending
+from pagoda_operator.tuning.model import (  # noqa: F401  (re-exported: the policy's vocabulary)
+    DEFAULT_CONFIG,
+    GPU_MEMORY_UTILIZATION,
+    KNOBS,
+    MAX_NUM_SEQS,
+    REPLICAS,
+    Action,
+    Decision,
+    Limits,
+    PolicyConfig,
+    Proposal,
+    Snapshot,
+    direction,
+    fmt,
+    record_move,
+)
+
+
+def empty_state() -> dict[str, Any]:
+    return {
+        "streaks": {"overload": 0, "idle": 0, "preempting": 0, "kvBound": 0, "busy": 0},
+        # Requests/s one engine served in the last window it was saturated (had a queue).
+        "capacity": None,
+        "pending": None,
+        "lastChangeTime": None,
+        "lastMove": {},
+        "rejected": [],
+        "lastOomTime": None,
+    }
+
+
+def decide(
+    snapshot: Snapshot | None,
+    settings: dict[str, float],
+    limits: Limits,
+    state: dict[str, Any] | None,
+    *,
+    now: float,
+    mode: str,
+    rollout_complete: bool = True,
+    problem: str = "",
+    config: PolicyConfig = DEFAULT_CONFIG,
+) -> tuple[Decision, dict[str, Any]]:
+    """This window's decision and the state to keep for the next one.
+
+    ``mode`` is ``Recommend`` (nothing is applied: no cooldown, no change to watch) or
+    ``Auto`` (the caller applies a change or revert at once; the state then watches it).
+    """
+    state = _normalized(state)
+    if snapshot is None:
+        return Decision("hold", f"holding steady: {problem or 'no metrics'}"), state
+    if rollout_complete and (mode != "Auto" or state["pending"] is None):
+        # Only a window in which every engine served throughout says what one can do.
+        state["capacity"] = _updated_capacity(state["capacity"], snapshot, now, limits, config)
+    capacity = _usable_capacity(state["capacity"], snapshot, config)
+    state["streaks"] = _updated_streaks(state["streaks"], snapshot, limits, capacity, config)
+    if snapshot.oom_kills:
+        state["lastOomTime"] = now
+    state["rejected"] = [r for r in state["rejected"] if r["until"] > now]
+    verdict = None
+    if mode != "Auto":
+        state["pending"] = None
+    elif state["pending"] is not None:
+        outcome = watch_pending(snapshot, limits, state, now, rollout_complete, config)
+        if isinstance(outcome, Decision):
+            return outcome, state
+        verdict = outcome
+    if mode == "Auto" and state["lastChangeTime"] is not None:
+        remaining = limits.cooldown_s - (now - state["lastChangeTime"])
+        if remaining > 0:
+            return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
+    proposal, blocked = _first_proposal(snapshot, settings, limits, state, now, config)
+    if proposal is None:
+        reason = f"holding: {blocked}" if blocked else _steady_reason(snapshot, limits)
+        return Decision("hold", reason, verdict=verdict), state
+    old = settings[proposal.knob]
+    decision = Decision("change", proposal.reason, proposal.knob, old, proposal.new, verdict)
+    if mode == "Auto":
+        state["pending"] = {
+            "knob": proposal.knob,
+            "from": old,
+            "to": proposal.new,
+            "time": now,
+            "settledTime": None,
+            "baseline": snapshot.summary(),
+        }
+        record_move(state, proposal.knob, old, proposal.new, now)
+    return decision, state
+
+
+# ----- rules ----------------------------------------------------------------------------
+
+
+def _updated_capacity(
+    capacity: dict[str, float] | None,
+    snapshot: Snapshot,
+    now: float,
+    limits: Limits,
+    config: PolicyConfig,
+) -> dict[str, float] | None:
+    """An engine's saturated rate: what it served while requests queued. It is forgotten
+    when the prompts change a lot (see ``_usable_capacity``) and when it grows old."""
+    pods = max(snapshot.pods, 1)
+    if snapshot.requests_waiting / pods >= config.queue_per_pod and snapshot.requests_per_s > 0:
+        # A queue on some engines but not all still counts here, so one window tends to
+        # understate the rate: keep the best one seen for the same kind of requests.
+        rate = snapshot.requests_per_s / pods
+        rate = max(rate, _usable_capacity(capacity, snapshot, config) or 0.0)
+        return {
+            "requestsPerPod": rate,
+            "promptTokensPerRequest": _prompt_length(snapshot),
+            "time": now,
+        }
+    if capacity and now - capacity["time"] > config.capacity_memory_cooldowns * limits.cooldown_s:
+        return None
+    return capacity
+
+
+def _usable_capacity(
+    capacity: dict[str, float] | None, snapshot: Snapshot, config: PolicyConfig
+) -> float | None:
+    """The saturated rate, unless the prompts changed so much since it was measured that
+    it no longer says what an engine can do (a shift to long contexts, say)."""
+    if not capacity:
+        return None
+    then, now = capacity.get("promptTokensPerRequest") or 0.0, _prompt_length(snapshot)
+    if then > 0 and now > 0 and max(then, now) / min(then, now) > config.prompt_shift_ratio:
+        return None
+    return capacity["requestsPerPod"]
+
+
+def _prompt_length(snapshot: Snapshot) -> float:
+    if snapshot.requests_per_s <= 0:
+        return 0.0
+    return snapshot.prompt_tokens_per_s / snapshot.requests_per_s
+
+
+def demand_per_s(snapshot: Snapshot) -> float:
+    """Requests/s arriving: served, given up on, and added to the queue."""
+    return max(0.0, snapshot.requests_per_s + snapshot.aborted_per_s + snapshot.queue_growth_per_s)
+
+
+def _updated_streaks(
+    streaks: dict[str, int],
+    snapshot: Snapshot,
+    limits: Limits,
+    capacity: float | None,
+    config: PolicyConfig,
+) -> dict[str, int]:
+    """Consecutive windows for which each condition held; a window without it resets it."""
+    pods = max(snapshot.pods, 1)
+    waiting_per_pod = snapshot.requests_waiting / pods
+    ttft = snapshot.ttft_p95_s
+    preempting = snapshot.preemptions_per_s / pods >= config.preemptions_per_pod_s
+    overload = waiting_per_pod >= config.queue_per_pod or (
+        ttft is not None and ttft > limits.ttft_target_s
+    )
+    kv_bound = snapshot.kv_cache_usage >= config.kv_bound and (
+        waiting_per_pod >= config.queue_per_pod or preempting
+    )
+    idle = (
+        waiting_per_pod <= config.idle_queue_per_pod
+        and (ttft is None or ttft < config.idle_ttft_fraction * limits.ttft_target_s)
+        and snapshot.preemptions_per_s == 0
+    )
+    busy = capacity is not None and demand_per_s(snapshot) / pods >= (
+        config.busy_utilization * capacity
+    )
+    conditions = {
+        "overload": overload,
+        "idle": idle,
+        "preempting": preempting,
+        "kvBound": kv_bound,
+        "busy": busy,
+    }
+    return {name: (streaks.get(name, 0) + 1 if held else 0) for name, held in conditions.items()}
+
+
+def _first_proposal(
+    snapshot: Snapshot,
+    settings: dict[str, float],
+    limits: Limits,
+    state: dict[str, Any],
+    now: float,
+    config: PolicyConfig,
+) -> tuple[Proposal | None, str]:
+    """The first rule, in order of urgency, whose change is allowed; else None and why the
+    most urgent one was not."""
+    blocked = ""
+    for candidate in _candidates(snapshot, settings, limits, state, now, config):
+        allowed = _allowed(candidate, settings, limits, state, now, config)
+        if isinstance(allowed, Proposal):
+            return allowed, ""
+        blocked = blocked or f"{candidate.reason}, but {allowed}"
+    return None, blocked
+
+
+def _candidates(
+    snapshot: Snapshot,
+    settings: dict[str, float],
+    limits: Limits,
+    state: dict[str, Any],
+    now: float,
+    config: PolicyConfig,
+) -> list[Proposal]:
+    streaks = state["streaks"]
+    seqs, memory, replicas = (
+        settings[MAX_NUM_SEQS],
+        settings[GPU_MEMORY_UTILIZATION],
+        settings[REPLICAS],
+    )
+    candidates: list[Proposal] = []
+    if (snapshot.oom_kills or 0) > 0:
+        why = f"{fmt(snapshot.oom_kills)} OOM kills in the last window"
+        candidates.append(
+            Proposal(GPU_MEMORY_UTILIZATION, round(memory - config.gpu_memory_step, 4), why)
+        )
+        candidates.append(Proposal(MAX_NUM_SEQS, _halved(seqs, config), why))
+        return candidates
+    last_oom = state["lastOomTime"]
+    recent_oom = last_oom is not None and now - last_oom < config.oom_memory_cooldowns * (
+        limits.cooldown_s
+    )
+    if streaks["kvBound"] >= config.windows_up and not recent_oom:
+        if snapshot.oom_kills is not None:
+            candidates.append(
+                Proposal(
+                    GPU_MEMORY_UTILIZATION,
+                    round(memory + config.gpu_memory_step, 4),
+                    f"KV cache {snapshot.kv_cache_usage:.0%} full with a queue or preemptions "
+                    f"for {streaks['kvBound']} windows; no OOM kills seen",
+                )
+            )
+    if streaks["preempting"] >= config.windows_preempting:
+        candidates.append(
+            Proposal(
+                MAX_NUM_SEQS,
+                _halved(seqs, config),
+                f"{snapshot.preemptions_per_s:.3g} preemptions/s for "
+                f"{streaks['preempting']} windows",
+            )
+        )
+    capacity = _usable_capacity(state["capacity"], snapshot, config)
+    # Clients giving up is no noise to filter: one window of it is enough.
+    severe = snapshot.aborted_per_s / max(snapshot.pods, 1) >= config.aborts_per_pod_s or (
+        snapshot.ttft_p95_s is not None
+        and snapshot.ttft_p95_s > config.severe_ttft_factor * limits.ttft_target_s
+    )
+    if streaks["overload"] >= config.windows_up or (streaks["overload"] and severe):
+        candidates += _overload_candidates(snapshot, seqs, replicas, limits, capacity, config)
+    elif streaks["busy"] >= config.windows_up:
+        load = demand_per_s(snapshot) / max(snapshot.pods, 1) / (capacity or 1.0)
+        why = f"demand at {load:.0%} of the engines' saturated rate"
+        scale_up = _scale_up(snapshot, replicas, why, capacity, config)
+        candidates += [scale_up] if scale_up is not None else []
+    if streaks["idle"] >= config.windows_down and snapshot.pods > 1:
+        scale_down = _scale_down(snapshot, seqs, replicas, capacity, config)
+        if scale_down is not None:
+            candidates.append(scale_down)
+    return candidates
+
+
+def _scale_down(
+    snapshot: Snapshot,
+    seqs: float,
+    replicas: float,
+    capacity: float | None,
+    config: PolicyConfig,
+) -> Proposal | None:
+    """One replica less, when the others would still run well below saturation: measured
+    in requests/s against the saturated rate when one is known, else in batch slots."""
+    pods_after = snapshot.pods - 1
+    idle = f"idle for {snapshot.window_s:g}s windows"
+    if capacity is not None:
+        load_after = demand_per_s(snapshot) / pods_after / capacity
+        why = f"{idle}: {pods_after} engines would run at {load_after:.0%} of their saturated rate"
+    else:
+        concurrency = snapshot.requests_running + snapshot.requests_waiting
+        load_after = concurrency / pods_after / seqs
+        why = (
+            f"{idle}: {concurrency:.3g} requests in flight fit {pods_after} engines "
+            f"at {load_after:.0%} of maxNumSeqs"
+        )
+    limit = config.scale_down_utilization if capacity else config.scale_down_slots_utilization
+    if load_after > limit:
+        return None
+    return Proposal(REPLICAS, replicas - 1, why)
+
+
+def _overload_candidates(
+    snapshot: Snapshot,
+    seqs: float,
+    replicas: float,
+    limits: Limits,
+    capacity: float | None,
+    config: PolicyConfig,
+) -> list[Proposal]:
+    pods = max(snapshot.pods, 1)
+    why = _overload_reason(snapshot, limits)
+    candidates = []
+    slots_full = snapshot.requests_running / pods >= config.busy_fraction * seqs
+    # A queue longer than the batch needs more engines; more slots only help a short one.
+    # (Unless replicas cannot grow: then more slots are the only lever left.)
+    can_add = REPLICAS in limits.bounds and replicas < limits.bounds[REPLICAS][1]
+    short_queue = snapshot.requests_waiting <= snapshot.requests_running or not can_add
+    itl_ok = (
+        limits.itl_target_s is None
+        or snapshot.itl_p95_s is None
+        or snapshot.itl_p95_s < 0.5 * limits.itl_target_s
+    )
+    if (
+        slots_full
+        and short_queue
+        and snapshot.kv_cache_usage < config.kv_headroom
+        and snapshot.preemptions_per_s == 0
+        and itl_ok
+    ):
+        new = max(seqs + 1, math.floor(seqs * config.max_num_seqs_factor))
+        candidates.append(
+            Proposal(
+                MAX_NUM_SEQS,
+                new,
+                f"{why}; every batch slot busy with KV cache at {snapshot.kv_cache_usage:.0%}",
+            )
+        )
+    scale_up = _scale_up(snapshot, replicas, why, capacity, config)
+    return candidates + ([scale_up] if scale_up is not None else [])
+
+
+def _scale_up(
+    snapshot: Snapshot, replicas: float, why: str, capacity: float | None, config: PolicyConfig
+) -> Proposal | None:
+    """Enough replicas for the demand at the rate each engine serves now, saturated.
+
+    Demand is what was served, what clients gave up on and what the queue grew by; the
+    queue's length itself is not demand (it says how long requests wait, not how many
+    arrive), so a long backlog does not inflate the count.
+    """
+    demand = demand_per_s(snapshot)
+    per_pod = capacity or snapshot.requests_per_s / max(snapshot.pods, 1)
+    most = config.max_scale_up_factor * replicas
+    if per_pod <= 0:  # nothing served: no rate to size by, so one step at a time
+        wanted = replicas + 1
+    else:
+        wanted = min(most, demand / (per_pod * config.scale_up_utilization))
+    if math.ceil(wanted) <= replicas and snapshot.queue_growth_per_s <= 0:
+        return None  # the engines there can serve the demand: the backlog is draining
+    new = min(max(math.ceil(wanted), replicas + 1), most)
+    return Proposal(
+        REPLICAS,
+        new,
+        f"{why}; demand {demand:.3g} req/s, {per_pod:.3g} req/s served per engine",
+    )
+
+
+def _overload_reason(snapshot: Snapshot, limits: Limits) -> str:
+    parts = []
+    if snapshot.ttft_p95_s is not None and snapshot.ttft_p95_s > limits.ttft_target_s:
+        parts.append(
+            f"TTFT p95 {snapshot.ttft_p95_s:.3g}s over the {limits.ttft_target_s:g}s target"
+        )
+    if snapshot.requests_waiting > 0:
+        parts.append(f"{snapshot.requests_waiting:.3g} requests waiting")
+    return " and ".join(parts) or "overloaded"
+
+
+def _allowed(
+    proposal: Proposal,
+    settings: dict[str, float],
+    limits: Limits,
+    state: dict[str, Any],
+    now: float,
+    config: PolicyConfig,
+) -> Proposal | str:
+    """The proposal held to the bounds, or why the bounds, a pin, a dwell or an earlier
+    revert leave nothing of it."""
+    knob = proposal.knob
+    if knob not in limits.bounds:
+        return f"{knob} is fixed: {limits.fixed.get(knob, 'not tunable')}"
+    low, high = limits.bounds[knob]
+    if knob == MAX_NUM_SEQS and limits.max_num_batched_tokens is not None:
+        high = min(high, limits.max_num_batched_tokens)
+    current = settings[knob]
+    new = min(max(proposal.new, low), high)
+    if knob != GPU_MEMORY_UTILIZATION:
+        new = int(round(new))
+    way = direction(current, new)
+    # Clamping may bring a value from outside the bounds back inside, but only in the
+    # direction the rule asked for: a scale-up never turns into a scale-down.
+    if way == 0 or way != direction(current, proposal.new):
+        return f"{knob} {fmt(current)} is at its bound [{fmt(low)}, {fmt(high)}]"
+    last = state["lastMove"].get(knob)
+    dwell = config.reversal_dwell_cooldowns * limits.cooldown_s
+    if last is not None and last["direction"] == -way and now - last["time"] < dwell:
+        return f"{knob} moved the other way {now - last['time']:.0f}s ago"
+    for rejected in state["rejected"]:
+        if rejected["knob"] == knob and rejected["direction"] == way:
+            if (new - rejected["value"]) * way >= 0:
+                return f"{knob} {fmt(rejected['value'])} was reverted recently"
+    return Proposal(knob, new, proposal.reason)
+
+
+def _steady_reason(snapshot: Snapshot, limits: Limits) -> str:
+    ttft = "n/a" if snapshot.ttft_p95_s is None else f"{snapshot.ttft_p95_s:.3g}s"
+    return (
+        f"steady: TTFT p95 {ttft} (target {limits.ttft_target_s:g}s), "
+        f"{snapshot.requests_waiting:.3g} waiting, KV cache {snapshot.kv_cache_usage:.0%}"
+    )
+
+
+# ----- helpers --------------------------------------------------------------------------
+
+
+def _normalized(state: dict[str, Any] | None) -> dict[str, Any]:
+    normalized = empty_state()
+    for key, value in copy.deepcopy(state or {}).items():
+        if key in normalized and value is not None:
+            normalized[key] = value
+    normalized["streaks"] = {**empty_state()["streaks"], **normalized["streaks"]}
+    return normalized
+
+
+def _halved(value: float, config: PolicyConfig) -> int:
+    return max(1, min(int(value) - 1, math.ceil(value / config.max_num_seqs_factor)))

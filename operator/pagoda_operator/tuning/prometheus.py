@@ -1,0 +1,192 @@
+"""What the tuner asks Prometheus, and one window's answer as a ``Snapshot``.
+
+Label contract: every engine series carries ``namespace`` and ``llmdeployment`` labels, the
+namespace of the pod and the value of its ``pagoda.dev/llmdeployment`` label. The relabelling
+that produces them (Kubernetes pod service discovery, or a ServiceMonitor) is in
+operator/README.md. Restarts and OOM kills come from kube-state-metrics, which labels its
+series with ``namespace``, ``pod`` and ``container``; a Deployment's pods are named
+``<name>-<template hash>-<suffix>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pagoda_operator.tuning.policy import Snapshot
+
+QUERY_TIMEOUT_SECONDS = 10
+ENGINE_CONTAINER = "engine"
+INFO_METRIC = "pagoda:engine_config_info"
+
+# Series every engine exports: without them the tuner has nothing to stand on.
+REQUIRED = (
+    "pods",
+    "kv_cache_usage",
+    "requests_waiting",
+    "requests_running",
+    "preemptions_per_s",
+    "generation_tokens_per_s",
+    "requests_per_s",
+    "aborted_per_s",
+    "queue_growth_per_s",
+    "prompt_tokens_per_s",
+    "ttft_p95_s",
+    "itl_p95_s",
+)
+# kube-state-metrics series: clusters without it get no restart / OOM signal.
+OPTIONAL = ("restarts", "oom_kills")
+
+
+def engine_selector(namespace: str, name: str) -> str:
+    return f'namespace="{namespace}",llmdeployment="{name}"'
+
+
+def pod_selector(namespace: str, name: str) -> str:
+    return (
+        f'namespace="{namespace}",pod=~"{re.escape(name)}-[a-z0-9]+-[a-z0-9]+",'
+        f'container="{ENGINE_CONTAINER}"'
+    )
+
+
+def snapshot_queries(namespace: str, name: str, window_s: float) -> dict[str, str]:
+    """PromQL for each Snapshot field, over the window that ends now."""
+    sel = engine_selector(namespace, name)
+    pods = pod_selector(namespace, name)
+    w = f"{max(1, math.ceil(window_s))}s"
+
+    def p95(histogram: str) -> str:
+        return f"histogram_quantile(0.95, sum by (le) (rate({histogram}_bucket{{{sel}}}[{w}])))"
+
+    restarts = f"increase(kube_pod_container_status_restarts_total{{{pods}}}[{w}])"
+    oom_terminated = (
+        f'kube_pod_container_status_last_terminated_reason{{{pods},reason="OOMKilled"}} == 1'
+    )
+    return {
+        "pods": f"count(vllm:num_requests_running{{{sel}}})",
+        "kv_cache_usage": f"avg(avg_over_time(vllm:kv_cache_usage_perc{{{sel}}}[{w}]))",
+        "requests_waiting": f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))",
+        "requests_running": f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))",
+        "preemptions_per_s": f"sum(rate(vllm:num_preemptions_total{{{sel}}}[{w}]))",
+        "generation_tokens_per_s": f"sum(rate(vllm:generation_tokens_total{{{sel}}}[{w}]))",
+        "prompt_tokens_per_s": f"sum(rate(vllm:prompt_tokens_total{{{sel}}}[{w}]))",
+        "requests_per_s": (
+            f'sum(rate(vllm:request_success_total{{{sel},finished_reason!="abort"}}[{w}]))'
+        ),
+        "aborted_per_s": (
+            f'sum(rate(vllm:request_success_total{{{sel},finished_reason="abort"}}[{w}]))'
+        ),
+        # delta() of a gauge: its last value minus its first in the window.
+        "queue_growth_per_s": (
+            f"sum(delta(vllm:num_requests_waiting{{{sel}}}[{w}])) / {max(1, math.ceil(window_s))}"
+        ),
+        "ttft_p95_s": p95("vllm:time_to_first_token_seconds"),
+        "itl_p95_s": p95("vllm:inter_token_latency_seconds"),
+        "restarts": f"sum({restarts})",
+        # Restarts of containers whose last termination was an OOM kill; 0 (not "no data")
+        # when kube-state-metrics is there and nothing was killed.
+        "oom_kills": (
+            f"sum(({restarts} > 0) and on (namespace, pod, container) ({oom_terminated}))"
+            f" or (0 * sum({restarts}))"
+        ),
+    }
+
+
+def live_settings_query(namespace: str, name: str) -> str:
+    return f"{INFO_METRIC}{{{engine_selector(namespace, name)}}}"
+
+
+@dataclass
+class Observation:
+    """A Snapshot, or why there is none; and the live settings each engine reports."""
+
+    snapshot: Snapshot | None
+    problem: str = ""
+    reason: str = ""  # condition reason when snapshot is None
+    live: list[dict[str, str]] = field(default_factory=list)
+
+
+def parse_scalar(result: list[dict[str, Any]]) -> float | None:
+    """The value of a one-element instant vector; None when empty or NaN."""
+    if not result:
+        return None
+    value = float(result[0]["value"][1])
+    return None if math.isnan(value) else value
+
+
+def snapshot_from_results(
+    results: dict[str, list[dict[str, Any]]], window_s: float
+) -> tuple[Snapshot | None, str]:
+    """The Snapshot, or None and the names of the engine series Prometheus does not have."""
+    values = {key: parse_scalar(result) for key, result in results.items()}
+    # A histogram with no observations in the window answers NaN: that is "no request
+    # finished", not a missing series. Only an empty answer means the series is absent.
+    missing = [
+        key
+        for key in REQUIRED
+        if not results.get(key) or (values[key] is None and not key.endswith("_p95_s"))
+    ]
+    if values.get("pods") in (None, 0.0) and "pods" not in missing:
+        missing.append("pods")
+    if missing:
+        return None, ", ".join(missing)
+    snapshot = Snapshot(
+        window_s=window_s,
+        pods=int(values["pods"] or 0),
+        kv_cache_usage=values["kv_cache_usage"] or 0.0,
+        requests_waiting=values["requests_waiting"] or 0.0,
+        requests_running=values["requests_running"] or 0.0,
+        preemptions_per_s=values["preemptions_per_s"] or 0.0,
+        ttft_p95_s=values["ttft_p95_s"],
+        itl_p95_s=values["itl_p95_s"],
+        generation_tokens_per_s=values["generation_tokens_per_s"] or 0.0,
+        requests_per_s=values["requests_per_s"] or 0.0,
+        aborted_per_s=values["aborted_per_s"] or 0.0,
+        queue_growth_per_s=values["queue_growth_per_s"] or 0.0,
+        prompt_tokens_per_s=values["prompt_tokens_per_s"] or 0.0,
+        restarts=values.get("restarts"),
+        oom_kills=values.get("oom_kills"),
+    )
+    return snapshot, ""
+
+
+class PrometheusError(Exception):
+    pass
+
+
+async def instant_query(session: aiohttp.ClientSession, base_url: str, promql: str) -> list[dict]:
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(url, params={"query": promql}) as response:
+            body = await response.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+        raise PrometheusError(f"{type(error).__name__}: {error}") from error
+    if response.status >= 400 or body.get("status") != "success":
+        raise PrometheusError(f"HTTP {response.status}: {body.get('error') or body}")
+    return list(body["data"]["result"])
+
+
+async def observe(base_url: str, namespace: str, name: str, window_s: float) -> Observation:
+    """One window of metrics for one LLMDeployment; never raises for Prometheus trouble."""
+    queries = snapshot_queries(namespace, name, window_s)
+    queries["live"] = live_settings_query(namespace, name)
+    timeout = aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            answers = await asyncio.gather(
+                *(instant_query(session, base_url, promql) for promql in queries.values())
+            )
+    except PrometheusError as error:
+        return Observation(None, f"Prometheus at {base_url} unreachable: {error}", "Unreachable")
+    results = dict(zip(queries, answers))
+    live = [dict(item["metric"]) for item in results.pop("live")]
+    snapshot, missing = snapshot_from_results(results, window_s)
+    if snapshot is None:
+        problem = f"no series for {missing} with {{{engine_selector(namespace, name)}}}"
+        return Observation(None, problem, "SeriesMissing", live)
+    return Observation(snapshot, live=live)

@@ -1,0 +1,237 @@
+"""Replicas behind a Service, a Deployment's rolling update, and the tuner on top.
+
+``simulate`` plays a trace against a static configuration or against the operator's own
+``decide`` (Auto mode), every ``interval_s``, with the metrics an engine would export.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagoda_operator.tuning.policy import (
+    GPU_MEMORY_UTILIZATION,
+    MAX_NUM_SEQS,
+    REPLICAS,
+    Limits,
+    PolicyConfig,
+    Snapshot,
+    decide,
+)
+from pagoda_operator.tuning.sim.engine import CLIENT_TIMEOUT_S, STARTUP_S, Replica, Request
+from pagoda_operator.tuning.sim.traces import Trace
+
+TICK_S = 0.2
+SLO_WINDOW_S = 60.0
+
+
+@dataclass
+class Timeline:
+    """One row per tuner interval, for plots and for the decision log."""
+
+    time: list[float] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    max_num_seqs: list[int] = field(default_factory=list)
+    gpu_memory_utilization: list[float] = field(default_factory=list)
+    ttft_p95_s: list[float] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    gpu_hours: float
+    slo_windows_met: int
+    slo_windows: int
+    timeline: Timeline
+
+    @property
+    def attainment(self) -> float:
+        return self.slo_windows_met / max(self.slo_windows, 1)
+
+
+class Cluster:
+    def __init__(self, replicas: int, max_num_seqs: int, gpu_memory_utilization: float):
+        self.desired = {
+            REPLICAS: replicas,
+            MAX_NUM_SEQS: max_num_seqs,
+            GPU_MEMORY_UTILIZATION: gpu_memory_utilization,
+        }
+        # Already running when the trace starts.
+        self.replicas = [
+            Replica(max_num_seqs, gpu_memory_utilization, 0.0) for _ in range(replicas)
+        ]
+        self.round_robin = itertools.count()
+        self.gpu_seconds = 0.0
+        self.restarts = 0
+        self.oom_kills = 0
+
+    @property
+    def target(self) -> tuple[int, float]:
+        return int(self.desired[MAX_NUM_SEQS]), float(self.desired[GPU_MEMORY_UTILIZATION])
+
+    def active(self) -> list[Replica]:
+        return [r for r in self.replicas if not r.draining]
+
+    def route(self, requests: list[Request], now: float) -> None:
+        """Least outstanding requests first, as IPVS "lc" or an inference gateway routes;
+        ties go round-robin."""
+        serving = [r for r in self.active() if r.ready(now)] or self.active()
+        if not serving or not requests:
+            return
+        offset = next(self.round_robin)
+        serving = serving[offset % len(serving) :] + serving[: offset % len(serving)]
+        loads = [len(r.running) + len(r.waiting) for r in serving]
+        for request in requests:
+            index = loads.index(min(loads))
+            serving[index].waiting.append(request)
+            loads[index] += 1
+
+    def rollout(self, now: float) -> None:
+        """The Deployment controller: scale to ``desired`` replicas and replace replicas with
+        other settings one at a time (maxSurge 1, maxUnavailable 0)."""
+        active = self.active()
+        old = [r for r in active if r.settings != self.target]
+        starting = [r for r in active if not r.ready(now)]
+        surge = 1 if old and starting else 0
+        excess = len(active) - int(self.desired[REPLICAS]) - surge
+        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
+        for replica in by_preference[: max(0, excess)]:
+            self._drain(replica, now)
+        active = self.active()
+        missing = int(self.desired[REPLICAS]) - len(active)
+        if missing > 0:
+            active += [Replica(*self.target, now + STARTUP_S) for _ in range(missing)]
+        elif old and not starting:
+            active.append(Replica(*self.target, now + STARTUP_S))
+        self.replicas = active + [r for r in self.replicas if r.draining]
+
+    def _drain(self, replica: Replica, now: float) -> None:
+        replica.draining = True
+        waiting, replica.waiting = list(replica.waiting), type(replica.waiting)()
+        self.route(waiting, now)
+
+    def rollout_complete(self, now: float) -> bool:
+        active = self.active()
+        return (
+            len(active) == self.desired[REPLICAS]
+            and all(r.ready(now) and r.settings == self.target for r in active)
+            and not any(r.draining for r in self.replicas)
+        )
+
+    def tick(self, now: float, dt: float) -> None:
+        for replica in self.replicas:
+            self.gpu_seconds += dt
+            if replica.ready(now):
+                replica.step(now, dt)
+                if replica.oom_due():
+                    self._oom_kill(replica, now)
+        self.replicas = [r for r in self.replicas if not (r.draining and not r.running)]
+
+    def _oom_kill(self, replica: Replica, now: float) -> None:
+        self.oom_kills += 1
+        self.restarts += 1
+        evicted = replica.evict_all()
+        replica.ready_at, replica.busy_s = now + STARTUP_S, 0.0
+        self.route(evicted, now)
+
+    def snapshot(self, window_s: float, ttfts: list[float]) -> Snapshot | None:
+        stats = [r.take_stats() for r in self.replicas]
+        reporting = [s for s in stats if s.seconds > 0]
+        if not reporting:
+            return None
+        seconds = window_s
+        itl_weight = sum(s.itl_weight for s in reporting)
+        snapshot = Snapshot(
+            window_s=window_s,
+            pods=len(reporting),
+            kv_cache_usage=float(np.mean([s.kv_usage_s / s.seconds for s in reporting])),
+            requests_waiting=sum(s.waiting_s / s.seconds for s in reporting),
+            requests_running=sum(s.running_s / s.seconds for s in reporting),
+            preemptions_per_s=sum(s.preemptions for s in reporting) / seconds,
+            ttft_p95_s=_p95([t for s in reporting for t in s.ttfts]),
+            itl_p95_s=(sum(s.itl_s for s in reporting) / itl_weight) if itl_weight else None,
+            generation_tokens_per_s=sum(s.generated for s in reporting) / seconds,
+            requests_per_s=sum(s.finished for s in reporting) / seconds,
+            restarts=float(self.restarts),
+            oom_kills=float(self.oom_kills),
+            aborted_per_s=sum(s.aborted for s in reporting) / seconds,
+            prompt_tokens_per_s=sum(s.prompt_tokens for s in reporting) / seconds,
+            queue_growth_per_s=sum(s.waiting_at_end - s.waiting_at_start for s in reporting)
+            / seconds,
+        )
+        # What users saw: a request given up on counts as a first token at the timeout.
+        ttfts.extend(t for s in reporting for t in s.ttfts)
+        ttfts.extend(CLIENT_TIMEOUT_S for s in reporting for _ in range(s.aborted))
+        self.restarts = self.oom_kills = 0
+        return snapshot
+
+
+def simulate(
+    trace: Trace,
+    start: dict[str, float],
+    *,
+    limits: Limits | None = None,
+    interval_s: float = 30.0,
+    ttft_target_s: float = 1.0,
+    config: PolicyConfig | None = None,
+    seed: int = 0,
+    give_up_misses: int | None = None,
+) -> Result:
+    """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, without them the
+    configuration stays as ``start`` says. ``give_up_misses`` ends a run early once that
+    many SLO windows are missed (a static sweep needs no more)."""
+    rng = np.random.default_rng(seed)
+    cluster = Cluster(int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION])
+    timeline, state = Timeline(), None
+    window_ttfts: list[float] = []
+    slo_met = slo_windows = 0
+    steps_per_interval = round(interval_s / TICK_S)
+    intervals_per_slo_window = round(SLO_WINDOW_S / interval_s)
+    for step in range(round(trace.duration_s / TICK_S)):
+        now = step * TICK_S
+        arrivals = [Request(t, p, o) for t, p, o in trace.arrivals(now, TICK_S, rng)]
+        cluster.route(arrivals, now)
+        cluster.rollout(now)
+        cluster.tick(now, TICK_S)
+        if (step + 1) % steps_per_interval:
+            continue
+        now += TICK_S
+        snapshot = cluster.snapshot(interval_s, window_ttfts)
+        if limits is not None:
+            decision, state = decide(
+                snapshot, dict(cluster.desired), limits, state, now=now, mode="Auto",
+                rollout_complete=cluster.rollout_complete(now), config=config or PolicyConfig(),
+            )  # fmt: skip
+            if decision.action != "hold" or decision.verdict:
+                timeline.decisions.append({"time": now, **decision.as_dict()})
+            if decision.action in ("change", "revert"):
+                cluster.desired[str(decision.knob)] = float(decision.new or 0)
+        _record(timeline, cluster, snapshot, trace, now)
+        if len(timeline.time) % intervals_per_slo_window == 0:
+            slo_windows += 1
+            p95 = _p95(window_ttfts)
+            slo_met += p95 is None or p95 <= ttft_target_s
+            window_ttfts = []
+            if give_up_misses is not None and slo_windows - slo_met >= give_up_misses:
+                break
+    return Result(cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline)
+
+
+def _record(
+    timeline: Timeline, cluster: Cluster, snapshot: Snapshot | None, trace: Trace, now: float
+) -> None:
+    timeline.time.append(now)
+    timeline.replicas.append(len(cluster.replicas))
+    timeline.max_num_seqs.append(int(cluster.desired[MAX_NUM_SEQS]))
+    timeline.gpu_memory_utilization.append(float(cluster.desired[GPU_MEMORY_UTILIZATION]))
+    ttft = snapshot.ttft_p95_s if snapshot is not None else None
+    timeline.ttft_p95_s.append(float("nan") if ttft is None else ttft)
+    timeline.rate.append(trace.rate(now - 1e-9))
+
+
+def _p95(values: list[float]) -> float | None:
+    return float(np.percentile(values, 95)) if values else None

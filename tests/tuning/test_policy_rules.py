@@ -1,0 +1,322 @@
+"""Every rule of the tuner's policy, its bounds, cooldown, hysteresis and revert."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagoda_operator.tuning.policy import (
+    GPU_MEMORY_UTILIZATION,
+    MAX_NUM_SEQS,
+    REPLICAS,
+    decide,
+)
+
+from .policy_cases import (
+    COOLDOWN_S,
+    IDLE,
+    KV_BOUND,
+    OOM,
+    PREEMPTING,
+    QUEUED_WITH_FREE_KV,
+    QUEUED_WITH_FULL_KV,
+    Run,
+    limits,
+    settings,
+    window,
+)
+
+
+def test_no_metrics_holds_everything_and_says_why() -> None:
+    run = Run(settings(), limits())
+    decision = run.step(None)
+    assert decision.action == "hold"
+    assert "Prometheus unreachable" in decision.reason
+    # Missing windows do not count towards (or against) any streak.
+    assert run.state is not None and set(run.state["streaks"].values()) == {0}
+
+
+def test_healthy_load_holds() -> None:
+    run = Run(settings(), limits())
+    for _ in range(10):
+        assert run.step(window()).action == "hold"
+    assert run.decisions[-1].reason.startswith("steady")
+
+
+def test_queue_with_kv_headroom_raises_max_num_seqs_after_hysteresis() -> None:
+    run = Run(settings(seqs=64), limits())
+    assert run.step(QUEUED_WITH_FREE_KV).action == "hold"  # one window is not a trend
+    decision = run.step(QUEUED_WITH_FREE_KV)
+    assert (decision.action, decision.knob, decision.old, decision.new) == (
+        "change", MAX_NUM_SEQS, 64, 128,
+    )  # fmt: skip
+    assert "every batch slot busy" in decision.reason
+
+
+def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
+    run = Run(settings(replicas=2, seqs=64), limits())
+    decision = run.until_change(QUEUED_WITH_FULL_KV)
+    assert decision.knob == REPLICAS
+    # 140 requests in flight at 80% of 64 slots each want 3 replicas.
+    assert (decision.old, decision.new) == (2, 3)
+
+
+def test_scale_up_follows_demand_at_most_tripling_and_stays_under_max() -> None:
+    # 10 req/s served per engine, 40 req/s more given up on: demand wants 6 engines.
+    flood = window(
+        requests_waiting=2000.0, requests_running=100.0, kv_cache_usage=0.8, aborted_per_s=40.0
+    )
+    decision = Run(settings(replicas=2), limits()).until_change(flood)
+    assert (decision.knob, decision.new) == (REPLICAS, 6)
+    assert "demand 60 req/s, 10 req/s served per engine" in decision.reason
+    decision = Run(settings(replicas=1), limits()).until_change(flood)
+    assert (decision.knob, decision.new) == (REPLICAS, 3)  # at most three times as many
+    decision = Run(settings(replicas=6), limits()).until_change(flood)
+    assert (decision.knob, decision.new) == (REPLICAS, 8)  # held to the maximum
+    capped = limits(bounds={**limits().bounds, REPLICAS: (1, 6)})
+    run = Run(settings(replicas=6), capped)
+    assert all(run.step(flood).knob != REPLICAS for _ in range(10))
+    assert "replicas 6 is at its bound [1, 6]" in run.decisions[-1].reason
+
+
+def test_clients_giving_up_skip_the_hysteresis() -> None:
+    giving_up = dataclasses.replace(QUEUED_WITH_FULL_KV, aborted_per_s=5.0)
+    assert Run(settings(), limits()).step(giving_up).knob == REPLICAS
+
+
+def test_demand_near_the_measured_rate_scales_up_before_a_queue_forms() -> None:
+    run = Run(settings(replicas=2), limits())
+    run.step(QUEUED_WITH_FULL_KV)  # saturated: 10 req/s per engine is what one serves
+    assert run.state is not None and run.state["capacity"]["requestsPerPod"] == 10
+    no_queue_yet = window(requests_per_s=19.0, ttft_p95_s=0.3)
+    decision = run.until_change(no_queue_yet)
+    assert (decision.knob, decision.new) == (REPLICAS, 3)
+    assert "95% of the engines' saturated rate" in decision.reason
+
+
+def test_scale_down_by_measured_rate_keeps_what_the_load_needs() -> None:
+    run = Run(settings(replicas=3), limits())
+    run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, pods=3, requests_per_s=30.0))
+    # 10 req/s per engine when saturated; 14 req/s on 2 engines would be 70 %: stay.
+    quiet = window(pods=3, requests_running=10.0, ttft_p95_s=0.1, requests_per_s=14.0)
+    assert all(run.step(quiet).knob is None for _ in range(8))
+    # 10 req/s on 2 engines is 50 %: one goes.
+    quieter = dataclasses.replace(quiet, requests_per_s=10.0)
+    decision = run.until_change(quieter)
+    assert (decision.knob, decision.new) == (REPLICAS, 2)
+    assert "would run at 50% of their saturated rate" in decision.reason
+
+
+def test_idle_removes_one_replica_after_a_longer_streak() -> None:
+    run = Run(settings(replicas=3), limits())
+    for _ in range(3):
+        assert run.step(IDLE).action == "hold"
+    decision = run.step(IDLE)
+    assert (decision.knob, decision.old, decision.new) == (REPLICAS, 3, 2)
+
+
+def test_idle_never_goes_below_min_replicas() -> None:
+    floor = limits(bounds={**limits().bounds, REPLICAS: (2, 8)})
+    run = Run(settings(replicas=2), floor)
+    assert all(run.step(IDLE).action == "hold" for _ in range(20))
+
+
+def test_idle_keeps_replicas_the_load_still_needs() -> None:
+    # 100 in flight would put 100 on one replica of 64 slots: not idle enough to remove one.
+    busy_but_fast = window(requests_running=100.0, ttft_p95_s=0.1)
+    run = Run(settings(replicas=2, seqs=64), limits())
+    assert all(run.step(busy_but_fast).action == "hold" for _ in range(20))
+
+
+def test_sustained_preemptions_halve_max_num_seqs() -> None:
+    memory_pinned = limits(
+        bounds={REPLICAS: (1, 8), MAX_NUM_SEQS: (8, 256)},
+        fixed={GPU_MEMORY_UTILIZATION: "pinned"},
+    )
+    run = Run(settings(seqs=128), memory_pinned)
+    assert [run.step(PREEMPTING).action for _ in range(2)] == ["hold", "hold"]
+    decision = run.step(PREEMPTING)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 128, 64)
+    assert "preemptions/s" in decision.reason
+
+
+def test_preemptions_with_memory_headroom_raise_gpu_memory_first() -> None:
+    decision = Run(settings(seqs=128, memory=0.9), limits()).until_change(PREEMPTING)
+    assert (decision.knob, decision.new) == (GPU_MEMORY_UTILIZATION, 0.92)
+
+
+def test_kv_bound_raises_gpu_memory_utilization_by_one_step() -> None:
+    decision = Run(settings(memory=0.9), limits()).until_change(KV_BOUND)
+    assert decision.knob == GPU_MEMORY_UTILIZATION
+    assert decision.new == 0.92
+
+
+def test_gpu_memory_is_not_raised_without_an_oom_signal() -> None:
+    # No kube-state-metrics: an OOM would go unseen, so the risky knob stays where it is.
+    decision = Run(settings(), limits()).until_change(dataclasses.replace(KV_BOUND, oom_kills=None))
+    assert decision.knob != GPU_MEMORY_UTILIZATION
+
+
+def test_oom_kill_lowers_gpu_memory_at_once() -> None:
+    decision = Run(settings(memory=0.9), limits()).step(OOM)
+    assert (decision.action, decision.knob, decision.new) == (
+        "change", GPU_MEMORY_UTILIZATION, 0.88,
+    )  # fmt: skip
+    assert "OOM" in decision.reason
+
+
+def test_oom_at_the_memory_floor_lowers_max_num_seqs() -> None:
+    decision = Run(settings(memory=0.8, seqs=64), limits()).step(OOM)
+    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 32)
+
+
+def test_after_an_oom_gpu_memory_is_not_raised_again_soon() -> None:
+    run = Run(settings(memory=0.9), limits())
+    assert run.step(OOM).knob == GPU_MEMORY_UTILIZATION
+    run.wait_cooldown(window())
+    for _ in range(8):
+        decision = run.step(KV_BOUND)
+        assert decision.knob != GPU_MEMORY_UTILIZATION, decision
+
+
+def test_cooldown_holds_after_a_change() -> None:
+    run = Run(settings(seqs=64), limits())
+    run.until_change(QUEUED_WITH_FREE_KV)
+    holds = [run.step(QUEUED_WITH_FREE_KV) for _ in range(int(COOLDOWN_S // 60) - 1)]
+    assert all(d.action == "hold" for d in holds)
+    assert any(d.reason.startswith("cooldown") for d in holds)
+    assert run.step(QUEUED_WITH_FREE_KV).action == "change"
+
+
+def test_change_is_watched_only_after_the_rollout() -> None:
+    run = Run(settings(seqs=64), limits())
+    run.until_change(QUEUED_WITH_FREE_KV)
+    for _ in range(10):
+        decision = run.step(window(), rollout_complete=False)
+        assert decision.reason.startswith("waiting for the rollout")
+    # Rolled out: the first window after it only starts the watch; the next one judges.
+    assert run.step(window()).reason.startswith("watching the first full window")
+    decision = run.step(window())
+    assert decision.verdict is not None and decision.verdict.startswith("kept maxNumSeqs 64 -> 128")
+
+
+def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
+    run = Run(settings(seqs=64), limits())
+    run.until_change(QUEUED_WITH_FREE_KV)  # 64 -> 128 at 5000 tok/s
+    run.step(window())
+    slower = dataclasses.replace(QUEUED_WITH_FREE_KV, generation_tokens_per_s=2000.0)
+    decision = run.step(slower)
+    assert (decision.action, decision.knob, decision.old, decision.new) == (
+        "revert", MAX_NUM_SEQS, 128, 64,
+    )  # fmt: skip
+    assert "generation 5000 -> 2000 tok/s" in decision.reason
+    assert run.settings[MAX_NUM_SEQS] == 64
+    # The same queue again: 128 was tried and failed, so the tuner adds a replica instead.
+    run.wait_cooldown(QUEUED_WITH_FREE_KV)
+    decision = run.until_change(QUEUED_WITH_FREE_KV)
+    assert decision.knob == REPLICAS
+
+
+def test_scale_down_that_broke_the_slo_is_reverted() -> None:
+    run = Run(settings(replicas=3), limits())
+    assert run.until_change(IDLE).new == 2
+    run.step(window())
+    decision = run.step(window(ttft_p95_s=3.0))
+    assert (decision.action, decision.knob, decision.new) == ("revert", REPLICAS, 3)
+    assert "TTFT p95 0.1s -> 3s" in decision.reason
+
+
+def test_scale_up_is_kept_while_a_backlog_drains() -> None:
+    run = Run(settings(replicas=2), limits())
+    assert run.until_change(QUEUED_WITH_FULL_KV).knob == REPLICAS
+    run.step(window())
+    draining = dataclasses.replace(QUEUED_WITH_FULL_KV, ttft_p95_s=20.0)
+    decision = run.step(draining)
+    assert decision.action == "hold" and decision.verdict is not None
+    assert decision.verdict.startswith("kept replicas 2 -> 3")
+
+
+def test_oom_after_raising_memory_is_reverted() -> None:
+    run = Run(settings(memory=0.9), limits())
+    assert run.until_change(KV_BOUND).new == 0.92
+    run.step(window())
+    decision = run.step(OOM)
+    assert (decision.action, decision.new) == ("revert", 0.9)
+
+
+def test_no_change_leaves_the_bounds_or_touches_a_fixed_knob() -> None:
+    only_seqs = limits(
+        bounds={MAX_NUM_SEQS: (8, 100)},
+        fixed={REPLICAS: "pinned", GPU_MEMORY_UTILIZATION: "pinned"},
+    )
+    run = Run(settings(seqs=64), only_seqs)
+    decision = run.until_change(QUEUED_WITH_FREE_KV)
+    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 100)  # doubling, held to max
+    run.wait_cooldown(QUEUED_WITH_FREE_KV)
+    assert all(run.step(QUEUED_WITH_FREE_KV).action == "hold" for _ in range(10))
+    assert all(run.step(OOM).knob in (None, MAX_NUM_SEQS) for _ in range(10))
+
+
+def test_max_num_seqs_stays_within_max_num_batched_tokens() -> None:
+    run = Run(settings(seqs=64), limits(max_num_batched_tokens=96))
+    assert run.until_change(QUEUED_WITH_FREE_KV).new == 96
+
+
+def test_value_outside_the_bounds_only_moves_back_inside() -> None:
+    run = Run(settings(replicas=12), limits())
+    decision = run.until_change(IDLE)
+    assert decision.new == 8  # clamped into [1, 8], not 11
+    flood = window(requests_waiting=2000.0, kv_cache_usage=0.8)
+    run = Run(settings(replicas=12, seqs=256), limits())
+    assert all(run.step(flood).knob != REPLICAS for _ in range(10))
+
+
+def test_a_knob_does_not_move_back_before_the_dwell() -> None:
+    run = Run(settings(replicas=2, seqs=64), limits())
+    assert run.until_change(QUEUED_WITH_FULL_KV).knob == REPLICAS
+    run.wait_cooldown(IDLE)
+    # Idle right after scaling up: the dwell (two cooldowns) keeps the new replica a while.
+    decision = run.step(IDLE)
+    assert decision.action == "hold"
+    later = run.until_change(IDLE)
+    assert later.knob == REPLICAS and later.new == later.old - 1
+
+
+def test_recommend_mode_keeps_proposing_without_cooldown_or_watch() -> None:
+    run = Run(settings(seqs=64), limits(), mode="Recommend")
+    first = run.until_change(QUEUED_WITH_FREE_KV)
+    second = run.step(QUEUED_WITH_FREE_KV)
+    assert (first.knob, first.new) == (second.knob, second.new) == (MAX_NUM_SEQS, 128)
+    assert run.state is not None and run.state["pending"] is None
+    assert run.state["lastChangeTime"] is None
+    assert run.settings[MAX_NUM_SEQS] == 64
+
+
+def test_one_knob_per_decision_even_when_several_rules_fire() -> None:
+    everything = dataclasses.replace(PREEMPTING, requests_waiting=100.0, ttft_p95_s=5.0)
+    run = Run(settings(), limits())
+    for _ in range(6):
+        decision = run.step(everything)
+        changed = [k for k in settings() if run.settings[k] != settings()[k]]
+        assert len(changed) <= 1
+        if decision.action == "change":
+            break
+
+
+def test_decide_does_not_modify_its_inputs() -> None:
+    state = {"streaks": {"overload": 5}, "rejected": [], "lastMove": {}}
+    current = settings()
+    before = (repr(state), repr(current))
+    decide(QUEUED_WITH_FREE_KV, current, limits(), state, now=1.0, mode="Auto")
+    assert (repr(state), repr(current)) == before
+
+
+def test_a_shift_in_prompt_length_voids_the_measured_rate() -> None:
+    run = Run(settings(replicas=2), limits())
+    run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, prompt_tokens_per_s=20_000.0))
+    assert run.state is not None and run.state["capacity"]["promptTokensPerRequest"] == 1000
+    same_prompts = window(requests_per_s=19.0, ttft_p95_s=0.3, prompt_tokens_per_s=19_000.0)
+    assert run.until_change(same_prompts).knob == REPLICAS
+    run = Run(settings(replicas=2), limits())
+    run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, prompt_tokens_per_s=20_000.0))
+    ten_times_longer = dataclasses.replace(same_prompts, prompt_tokens_per_s=190_000.0)
+    assert all(run.step(ten_times_longer).action == "hold" for _ in range(10))

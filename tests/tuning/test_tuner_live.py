@@ -1,0 +1,269 @@
+"""The tuner with real parts: two CPU engine servers under `pagoda bench serve` load, a real
+Prometheus scraping them, and a real `kopf run` of the operator against the kmock API
+emulator. The operator must read the engines' queue from Prometheus and record a decision,
+with its inputs, in status.tuning: first as a recommendation, then applied in Auto mode.
+
+Prometheus labels the two engines the way the Kubernetes relabelling in operator/README.md
+labels an LLMDeployment's pods: namespace="tuned", llmdeployment="smol".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from k8s.conftest import REPO_ROOT, kopf_run_command, operator_attached
+from k8s.emulated_cluster import EmulatedCluster, wait_for
+from k8s.test_operator_kmock import (
+    deployment_path,
+    engine_container,
+    event_messages,
+    flag_value,
+    llmd_path,
+    llmd_status,
+    operator_calls,
+    rbac_rules,
+    requested_permission,
+)
+from server.server_harness import free_port, start_subprocess_server
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+NAMESPACE, NAME = "tuned", "smol"
+MODEL = "SmolLM2-135M-Instruct"
+# Short windows so the test takes about a minute: a look every 2 s over the last 4 s.
+TUNER_ENV = {"PAGODA_TUNING_INTERVAL_SECONDS": "2", "PAGODA_TUNING_WINDOW_SECONDS": "4"}
+
+pytestmark = pytest.mark.slow
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[str]]:
+    """Two engines with 4 batch slots each: a few requests per second make them queue."""
+    args = ("--max-num-seqs", "4", "--max-model-len", "512", "--uvicorn-log-level", "warning")
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(lambda _: start_subprocess_server("default", *args), range(2)))
+    try:
+        yield [base_url for _, base_url in started]
+    finally:
+        for process, _ in started:
+            stop(process)
+
+
+@pytest.fixture(scope="module")
+def prometheus(engines: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not shutil.which(PROMETHEUS):
+        pytest.skip("the Debian package `prometheus` is not installed (.ci/run installs it)")
+    folder = tmp_path_factory.mktemp("prometheus")
+    targets = ", ".join(f"'{url.removeprefix('http://')}'" for url in engines)
+    config = folder / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: pagoda-engines\n    static_configs:\n"
+        f"      - targets: [{targets}]\n"
+        f"        labels: {{namespace: {NAMESPACE}, llmdeployment: {NAME}}}\n"
+    )
+    port = free_port()
+    process = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: scraped_engines(url) == 2, timeout=60, what="both engines scraped")
+        yield url
+    finally:
+        stop(process)
+
+
+def scraped_engines(url: str) -> int:
+    try:
+        response = httpx.get(f"{url}/api/v1/query", params={"query": "sum(up)"}, timeout=2)
+        result = response.json()["data"]["result"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+    return int(float(result[0]["value"][1])) if result else 0
+
+
+@pytest.fixture(scope="module")
+def load(prometheus: str, engines: list[str], tmp_path_factory: pytest.TempPathFactory):
+    """`pagoda bench serve` at 3 requests/s on each engine, for longer than the test runs."""
+    log = tmp_path_factory.mktemp("bench") / "bench.log"
+    processes = []
+    with open(log, "w") as out:
+        for base_url in engines:
+            command = [
+                sys.executable, "-m", "inference.cli", "bench", "serve", "--base-url", base_url,
+                "--num-prompts", "1000", "--request-rate", "3", "--input-len", "32",
+                "--output-len", "16", "--request-timeout-s", "300",
+            ]  # fmt: skip
+            processes.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=out))
+    try:
+        yield
+    finally:
+        for process in processes:
+            stop(process)
+
+
+@pytest.fixture(scope="module")
+def cluster(load: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
+    saved = {key: os.environ.get(key) for key in TUNER_ENV}
+    os.environ.update(TUNER_ENV)
+    try:
+        with operator_attached(tmp_path_factory.mktemp("kmock"), kopf_run_command) as emulated:
+            yield emulated
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def tuned_llmd(name: str, prometheus_url: str, mode: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagoda.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"name": MODEL},
+            "replicas": 2,
+            "engine": {"device": "cpu", "maxNumSeqs": 4, "maxModelLen": 512},
+            "tuning": {
+                "mode": mode,
+                "cooldownSeconds": 5,
+                "pinned": ["replicas"],
+                "bounds": {"maxNumSeqs": {"min": 2, "max": 16}},
+                "slo": {"ttftP95Seconds": 0.5},
+            },
+            "prometheus": {"url": prometheus_url},
+        },
+    }
+
+
+def tuning(cluster: EmulatedCluster, name: str = NAME) -> dict[str, Any]:
+    return llmd_status(cluster, NAMESPACE, name).get("tuning") or {}
+
+
+def metrics_condition(cluster: EmulatedCluster, name: str) -> dict[str, Any]:
+    conditions = llmd_status(cluster, NAMESPACE, name).get("conditions") or []
+    return next((c for c in conditions if c["type"] == "MetricsAvailable"), {})
+
+
+def decision_with(cluster: EmulatedCluster, outcome: str) -> dict[str, Any] | None:
+    return next(
+        (d for d in tuning(cluster).get("decisions") or [] if d["outcome"] == outcome), None
+    )
+
+
+def test_recommend_then_auto_from_real_metrics(cluster: EmulatedCluster, prometheus: str) -> None:
+    cluster.create(llmd_path(NAMESPACE), tuned_llmd(NAME, prometheus, "Recommend"))
+    recommended = wait_for(
+        lambda: decision_with(cluster, "recommended"), timeout=90, what="a recommendation"
+    )
+    assert (recommended["knob"], recommended["from"], recommended["to"]) == ("maxNumSeqs", 4, 8)
+    inputs = recommended["inputs"]
+    assert inputs["pods"] == 2
+    assert inputs["requestsWaiting"] > 0 and inputs["requestsRunning"] > 0
+    assert inputs["kvCacheUsage"] < 0.75
+    assert inputs["restarts"] is None  # no kube-state-metrics here
+    assert "every batch slot busy" in recommended["reason"]
+    assert metrics_condition(cluster, NAME)["status"] == "True"
+    assert tuning(cluster)["recommendation"]["to"] == 8
+    # Recommend never touches the spec or the Deployment.
+    deployment = cluster.get(deployment_path(NAMESPACE, NAME)) or {}
+    assert flag_value(engine_container(deployment)["args"], "--max-num-seqs") == "4"
+    assert any(m.startswith("TuningRecommendation: maxNumSeqs 4 -> 8") for m in events(cluster))
+
+    cluster.patch(llmd_path(NAMESPACE, NAME), {"spec": {"tuning": {"mode": "Auto"}}})
+    applied = wait_for(lambda: decision_with(cluster, "watching"), timeout=90, what="a change")
+    assert (applied["knob"], applied["from"], applied["to"], applied["mode"]) == (
+        "maxNumSeqs", 4, 8, "Auto",
+    )  # fmt: skip
+    assert applied["inputs"]["requestsWaiting"] > 0
+    wait_for(
+        lambda: (
+            flag_value(
+                engine_container(cluster.get(deployment_path(NAMESPACE, NAME)) or {})["args"],
+                "--max-num-seqs",
+            )
+            == "8"
+        ),
+        what="the Deployment rolled to --max-num-seqs 8",
+    )
+    assert any(m.startswith("TuningApplied: maxNumSeqs 4 -> 8") for m in events(cluster))
+    wait_for(
+        lambda: any("--max-num-seqs 4 -> 8" in m for m in events(cluster)), what="Updated event"
+    )
+    # The engines here are not pods the Deployment could restart: they still report 4
+    # slots, so the tuner waits for the rollout instead of judging the change.
+    wait_for(
+        lambda: "waiting for the rollout" in tuning(cluster)["lastDecision"]["reason"],
+        what="the tuner waiting for the rollout",
+    )
+
+
+def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
+    cluster: EmulatedCluster, prometheus: str
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    cluster.create(llmd_path(NAMESPACE), tuned_llmd("nowhere", dead, "Auto"))
+    cluster.create(llmd_path(NAMESPACE), tuned_llmd("unlabelled", prometheus, "Auto"))
+    unreachable = wait_for(
+        lambda: (
+            metrics_condition(cluster, "nowhere").get("reason") == "Unreachable"
+            and metrics_condition(cluster, "nowhere")
+        ),
+        what="MetricsAvailable=False for an unreachable Prometheus",
+    )
+    assert unreachable["status"] == "False"
+    assert "Holding every knob steady" in unreachable["message"]
+    missing = wait_for(
+        lambda: (
+            metrics_condition(cluster, "unlabelled").get("reason") == "SeriesMissing"
+            and metrics_condition(cluster, "unlabelled")
+        ),
+        what="MetricsAvailable=False for series that are not there",
+    )
+    assert 'llmdeployment="unlabelled"' in missing["message"]
+    for name in ("nowhere", "unlabelled"):
+        assert tuning(cluster, name).get("decisions") in (None, [])
+        spec = (cluster.get(llmd_path(NAMESPACE, name)) or {})["spec"]
+        assert spec["engine"]["maxNumSeqs"] == 4
+    assert any(m.startswith("MetricsUnreachable") for m in events(cluster))
+
+
+def test_tuner_calls_stay_within_the_cluster_role(cluster: EmulatedCluster) -> None:
+    granted = {
+        (group, resource, verb)
+        for rule in rbac_rules()
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    used = {
+        permission
+        for _, method, path, query in operator_calls(cluster)
+        if (permission := requested_permission(method, path, query)) is not None
+    }
+    assert used <= granted, sorted(used - granted)
+
+
+def events(cluster: EmulatedCluster) -> list[str]:
+    return event_messages(cluster, NAMESPACE)
