@@ -20,12 +20,12 @@ def plot_latency_sweeps(paths: list[Path], out: Path) -> Path | None:
         data = json.loads(path.read_text())
         for r in data if isinstance(data, list) else [data]:
             if r.get("workload") == "latency":
-                label = f"{r.get('engine', 'pagoda')} {r['model']} out={r['output_len']}"
+                label = f"{r.get('engine', 'pagoda')} {r['model']} out={r['output_len']} [{path.stem}]"
                 series[label].append((r["batch_size"], r["output_tok_s"], r["tpot_ms"]))
     series = {label: points for label, points in series.items() if len(points) > 1}
     if not series:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, points in sorted(series.items()):
         points.sort()
         batch = [p[0] for p in points]
@@ -36,7 +36,7 @@ def plot_latency_sweeps(paths: list[Path], out: Path) -> Path | None:
         ax.set_xlabel("batch size (requests at once)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7, loc="upper left")
     ax1.set_title("throughput vs batch size (512 in / 128 out)")
     ax2.set_title("time per output token vs batch size")
     fig.tight_layout()

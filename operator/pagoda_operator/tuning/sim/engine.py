@@ -1,7 +1,7 @@
 """One engine replica as a fixed-timestep model, calibrated on our H200 bench numbers.
 
 Calibration (Qwen2.5-1.5B shape, bf16, one H200; inference/bench/results/
-latency_qwen2.5-1.5b.json, prompts of 512 tokens and 128 output tokens):
+latency_qwen2.5-1.5b_seqs256.json, prompts of 512 tokens and 128 output tokens):
 
 - decode step time (TPOT) by batch size: 2.07 / 2.22 / 2.82 / 4.84 / 8.53 ms at
   1 / 8 / 32 / 128 / 256 sequences, interpolated in between, plus the time to read the KV
