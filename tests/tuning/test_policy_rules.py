@@ -83,8 +83,13 @@ def test_clients_giving_up_skip_the_hysteresis() -> None:
     assert Run(settings(), limits()).step(giving_up).knob == REPLICAS
 
 
+def queued_since_last_window() -> dict:
+    """State after one window with a queue: the next window with one is saturated."""
+    return {"streaks": {"queued": 1}}
+
+
 def test_demand_near_the_measured_rate_scales_up_before_a_queue_forms() -> None:
-    run = Run(settings(replicas=2), limits())
+    run = Run(settings(replicas=2), limits(), state=queued_since_last_window())
     run.step(QUEUED_WITH_FULL_KV)  # saturated: 10 req/s per engine is what one serves
     assert run.state is not None and run.state["capacity"]["requestsPerPod"] == 10
     no_queue_yet = window(requests_per_s=19.0, ttft_p95_s=0.3)
@@ -93,8 +98,53 @@ def test_demand_near_the_measured_rate_scales_up_before_a_queue_forms() -> None:
     assert "95% of the engines' saturated rate" in decision.reason
 
 
+def test_a_queue_that_drains_within_a_window_is_no_saturated_rate() -> None:
+    # 2 x 20 req/s with a short queue in one window, none in the next: a Poisson burst at
+    # high load that the engines absorbed, not what they can serve at most.
+    run = Run(settings(replicas=2), limits())
+    run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, ttft_p95_s=0.3, requests_per_s=40.0))
+    assert run.state is not None and run.state["capacity"] is None
+    # So demand near that rate is no reason to add a replica.
+    near = window(requests_per_s=42.0, ttft_p95_s=0.3)
+    assert all(run.step(near).action == "hold" for _ in range(6))
+    assert run.state["capacity"] is None
+
+
+def test_a_queue_that_lasts_or_hurts_gives_the_saturated_rate() -> None:
+    queued = dataclasses.replace(QUEUED_WITH_FULL_KV, queue_growth_per_s=0.5)
+    run = Run(settings(replicas=2), limits())
+    run.step(queued)
+    assert run.state is not None and run.state["capacity"] is None
+    run.step(queued)  # a second window in a row: saturated
+    assert run.state["capacity"]["requestsPerPod"] == 10
+    # One window is enough when clients give up or TTFT is far over target.
+    for severe in ({"aborted_per_s": 5.0}, {"ttft_p95_s": 6.0}):
+        run = Run(settings(replicas=2), limits())
+        run.step(dataclasses.replace(queued, **severe))
+        assert run.state is not None and run.state["capacity"]["requestsPerPod"] == 10
+    # A backlog draining is no measure: what finishes was admitted windows earlier.
+    draining = dataclasses.replace(queued, queue_growth_per_s=-0.5, requests_per_s=60.0)
+    run = Run(settings(replicas=2), limits(), state=queued_since_last_window())
+    run.step(draining)
+    assert run.state is not None and run.state["capacity"] is None
+
+
+def test_the_window_that_judges_a_change_gives_the_saturated_rate() -> None:
+    # Idle on 2 engines, so one goes; on the one left a queue builds for two windows.
+    run = Run(settings(replicas=2), limits())
+    assert run.until_change(IDLE).new == 1
+    one_engine = dataclasses.replace(
+        QUEUED_WITH_FULL_KV, pods=1, requests_per_s=10.0, queue_growth_per_s=1.0
+    )
+    assert run.step(one_engine).action == "hold"  # rolled out; its full window follows
+    assert run.state is not None and run.state["capacity"] is None
+    decision = run.step(one_engine)  # the window that judges it: saturated, and reverted
+    assert decision.action == "revert"
+    assert run.state["capacity"]["requestsPerPod"] == 10
+
+
 def test_scale_down_by_measured_rate_keeps_what_the_load_needs() -> None:
-    run = Run(settings(replicas=3), limits())
+    run = Run(settings(replicas=3), limits(), state=queued_since_last_window())
     run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, pods=3, requests_per_s=30.0))
     # 10 req/s per engine when saturated; 14 req/s on 2 engines would be 70 %: stay.
     quiet = window(pods=3, requests_running=10.0, ttft_p95_s=0.1, requests_per_s=14.0)
@@ -311,12 +361,12 @@ def test_decide_does_not_modify_its_inputs() -> None:
 
 
 def test_a_shift_in_prompt_length_voids_the_measured_rate() -> None:
-    run = Run(settings(replicas=2), limits())
+    run = Run(settings(replicas=2), limits(), state=queued_since_last_window())
     run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, prompt_tokens_per_s=20_000.0))
     assert run.state is not None and run.state["capacity"]["promptTokensPerRequest"] == 1000
     same_prompts = window(requests_per_s=19.0, ttft_p95_s=0.3, prompt_tokens_per_s=19_000.0)
     assert run.until_change(same_prompts).knob == REPLICAS
-    run = Run(settings(replicas=2), limits())
+    run = Run(settings(replicas=2), limits(), state=queued_since_last_window())
     run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, prompt_tokens_per_s=20_000.0))
     ten_times_longer = dataclasses.replace(same_prompts, prompt_tokens_per_s=190_000.0)
     assert all(run.step(ten_times_longer).action == "hold" for _ in range(10))

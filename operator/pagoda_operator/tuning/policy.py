@@ -44,8 +44,15 @@ from pagoda_operator.tuning.model import (  # noqa: F401  (re-exported: the poli
 
 def empty_state() -> dict[str, Any]:
     return {
-        "streaks": {"overload": 0, "idle": 0, "preempting": 0, "kvBound": 0, "busy": 0},
-        # Requests/s one engine served in the last window it was saturated (had a queue).
+        "streaks": {
+            "overload": 0,
+            "idle": 0,
+            "preempting": 0,
+            "kvBound": 0,
+            "busy": 0,
+            "queued": 0,
+        },
+        # Requests/s one engine served in the last window it was saturated (see _saturated).
         "capacity": None,
         "pending": None,
         "lastChangeTime": None,
@@ -75,9 +82,12 @@ def decide(
     state = _normalized(state)
     if snapshot is None:
         return Decision("hold", f"holding steady: {problem or 'no metrics'}"), state
-    if rollout_complete and (mode != "Auto" or state["pending"] is None):
-        # Only a window in which every engine served throughout says what one can do.
-        state["capacity"] = _updated_capacity(state["capacity"], snapshot, now, limits, config)
+    if rollout_complete and (mode != "Auto" or _unchanging(state["pending"], snapshot, now)):
+        # Only a window in which every engine served throughout says what one can do: none
+        # while a change rolls out, but the full window after it that judges it does.
+        state["capacity"] = _updated_capacity(
+            state["capacity"], snapshot, state["streaks"]["queued"], now, limits, config
+        )
     capacity = _usable_capacity(state["capacity"], snapshot, config)
     state["streaks"] = _updated_streaks(state["streaks"], snapshot, limits, capacity, config)
     if snapshot.oom_kills:
@@ -120,6 +130,7 @@ def decide(
 def _updated_capacity(
     capacity: dict[str, float] | None,
     snapshot: Snapshot,
+    queued_before: int,
     now: float,
     limits: Limits,
     config: PolicyConfig,
@@ -127,7 +138,7 @@ def _updated_capacity(
     """An engine's saturated rate: what it served while requests queued. It is forgotten
     when the prompts change a lot (see ``_usable_capacity``) and when it grows old."""
     pods = max(snapshot.pods, 1)
-    if snapshot.requests_waiting / pods >= config.queue_per_pod and snapshot.requests_per_s > 0:
+    if _saturated(snapshot, queued_before, limits, config) and snapshot.requests_per_s > 0:
         # A queue on some engines but not all still counts here, so one window tends to
         # understate the rate: keep the best one seen for the same kind of requests.
         rate = snapshot.requests_per_s / pods
@@ -140,6 +151,41 @@ def _updated_capacity(
     if capacity and now - capacity["time"] > config.capacity_memory_cooldowns * limits.cooldown_s:
         return None
     return capacity
+
+
+def _unchanging(pending: dict[str, Any] | None, snapshot: Snapshot, now: float) -> bool:
+    """No change under watch, or this is the full window after its rollout that judges it."""
+    if pending is None:
+        return True
+    settled = pending.get("settledTime")
+    return settled is not None and now - settled >= snapshot.window_s
+
+
+def _saturated(
+    snapshot: Snapshot, queued_before: int, limits: Limits, config: PolicyConfig
+) -> bool:
+    """Whether the engines served all they could in this window: a queue that is not
+    shrinking and has lasted ``windows_up`` windows (``queued_before`` counts the ones
+    before this), or one with clients giving up or TTFT far over target.
+
+    A queue that a Poisson burst forms at high but sustainable load is there one window
+    and gone the next: the rate served then is the demand, not the engines' limit, and
+    taking it for the limit has the tuner add replicas the load does not need. While a
+    backlog drains, the requests that finish were admitted windows earlier, so the rate
+    finished then overstates what an engine sustains (and so does its prompt length)."""
+    if snapshot.requests_waiting / max(snapshot.pods, 1) < config.queue_per_pod:
+        return False
+    if snapshot.queue_growth_per_s < 0:
+        return False
+    return queued_before + 1 >= config.windows_up or _severe(snapshot, limits, config)
+
+
+def _severe(snapshot: Snapshot, limits: Limits, config: PolicyConfig) -> bool:
+    """Clients giving up, or TTFT far over target: no noise to filter, one window is enough."""
+    return snapshot.aborted_per_s / max(snapshot.pods, 1) >= config.aborts_per_pod_s or (
+        snapshot.ttft_p95_s is not None
+        and snapshot.ttft_p95_s > config.severe_ttft_factor * limits.ttft_target_s
+    )
 
 
 def _usable_capacity(
@@ -178,9 +224,8 @@ def _updated_streaks(
     waiting_per_pod = snapshot.requests_waiting / pods
     ttft = snapshot.ttft_p95_s
     preempting = snapshot.preemptions_per_s / pods >= config.preemptions_per_pod_s
-    overload = waiting_per_pod >= config.queue_per_pod or (
-        ttft is not None and ttft > limits.ttft_target_s
-    )
+    queued = waiting_per_pod >= config.queue_per_pod
+    overload = queued or (ttft is not None and ttft > limits.ttft_target_s)
     kv_bound = snapshot.kv_cache_usage >= config.kv_bound and (
         waiting_per_pod >= config.queue_per_pod or preempting
     )
@@ -198,6 +243,7 @@ def _updated_streaks(
         "preempting": preempting,
         "kvBound": kv_bound,
         "busy": busy,
+        "queued": queued,
     }
     return {name: (streaks.get(name, 0) + 1 if held else 0) for name, held in conditions.items()}
 
@@ -267,11 +313,7 @@ def _candidates(
             )
         )
     capacity = _usable_capacity(state["capacity"], snapshot, config)
-    # Clients giving up is no noise to filter: one window of it is enough.
-    severe = snapshot.aborted_per_s / max(snapshot.pods, 1) >= config.aborts_per_pod_s or (
-        snapshot.ttft_p95_s is not None
-        and snapshot.ttft_p95_s > config.severe_ttft_factor * limits.ttft_target_s
-    )
+    severe = _severe(snapshot, limits, config)
     if streaks["overload"] >= config.windows_up or (streaks["overload"] and severe):
         candidates += _overload_candidates(snapshot, seqs, replicas, limits, capacity, config)
     elif streaks["busy"] >= config.windows_up:
