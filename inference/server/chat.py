@@ -15,6 +15,7 @@ from inference.outputs import CompletionOutput, RequestOutput
 from inference.server.completions import (
     SSE_HEADERS,
     _collect,
+    chunk_payload,
     sse,
     stop_holdback,
     stream_end,
@@ -192,16 +193,7 @@ class _ChatView:
         }
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            payload["usage"] = None
-        return payload
+        return chunk_payload(self, "chat.completion.chunk", choices)
 
     async def stream(
         self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]

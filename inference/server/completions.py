@@ -45,6 +45,21 @@ def stream_end(completion: CompletionOutput, holdback: int) -> int:
     return max(0, len(completion.text) - holdback)
 
 
+def chunk_payload(view: Any, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One streamed chunk's envelope; ``usage`` is null on every chunk but the last when
+    the client asked for it (OpenAI's ``stream_options.include_usage``)."""
+    payload: dict[str, Any] = {
+        "id": view.request_id,
+        "object": object_name,
+        "created": view.created,
+        "model": view.model,
+        "choices": choices,
+    }
+    if view.include_usage:
+        payload["usage"] = None
+    return payload
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -191,16 +206,7 @@ class _CompletionView:
         }
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            payload["usage"] = None
-        return payload
+        return chunk_payload(self, "text_completion", choices)
 
     @property
     def include_usage(self) -> bool:
