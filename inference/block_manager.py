@@ -120,11 +120,9 @@ class BlockManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens after what it has computed
         (after the cached prefix, if given). Returns False, changing nothing, if the free
         blocks do not suffice."""
-        if not cached_blocks:
-            # Decode fast path: the next slots are already in the sequence's last block.
-            if len(seq.block_table) * self.block_size >= seq.num_computed_tokens + num_new_tokens:
-                if seq.block_table or seq.num_computed_tokens:
-                    return True
+        have_slots = len(seq.block_table) * self.block_size
+        if not cached_blocks and have_slots >= seq.num_computed_tokens + num_new_tokens:
+            return True  # decode fast path: the next slots are in the last block already
         cached_blocks = cached_blocks or []
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens)

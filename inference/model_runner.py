@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -126,41 +127,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     # -- one step ----------------------------------------------------------------------
-    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        block_size = self.block_size
-        counts = np.asarray(num_new_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
-        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        row_of_token = np.repeat(np.arange(len(seqs)), counts)
-        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
-        input_ids = np.fromiter(
-            (t for s, c, n in zip(seqs, starts, counts) for t in s.token_ids[c : c + n]),
-            np.int64,
-            total,
-        )
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for row, seq in enumerate(seqs):
-            block_tables[row, : len(seq.block_table)] = seq.block_table
-        slot_mapping = (
-            block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
-        seq_lens = (starts + counts).astype(np.int32)
-
+    def _to_device(self, inputs: StepInputs):
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            block_tables=to_device(block_tables),
-            seq_lens=to_device(seq_lens),
-            query_start_loc=to_device(query_start_loc.astype(np.int32)),
-            max_query_len=int(counts.max()),
+            slot_mapping=to_device(inputs.slot_mapping),
+            block_tables=to_device(inputs.block_tables),
+            seq_lens=to_device(inputs.seq_lens),
+            query_start_loc=to_device(inputs.query_start_loc.astype(np.int32)),
+            max_query_len=inputs.max_query_len,
         )
-        return to_device(input_ids), to_device(positions), meta, query_start_loc
+        return to_device(inputs.input_ids), to_device(inputs.positions), meta
 
     def capture_decode_graphs(self) -> float:
         """CUDA graphs for decode steps; returns seconds spent. No-op on CPU or eager."""
@@ -180,18 +158,70 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Compute this step's tokens for every sequence; sample the next token for the
         sequences at ``sample_rows`` (those whose last known token was computed)."""
+        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(seqs, num_new_tokens):
-            hidden = graphs.run(seqs)
-            query_start_loc = np.arange(len(seqs) + 1)
+        if graphs is not None and graphs.fits(inputs):
+            hidden = graphs.run(inputs)
         else:
-            input_ids, positions, meta, query_start_loc = self._prepare(seqs, num_new_tokens)
+            input_ids, positions, meta = self._to_device(inputs)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return None
-        last_token_rows = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(self.device)
+        last_rows = inputs.query_start_loc[1:][sample_rows] - 1
+        last_token_rows = torch.from_numpy(last_rows).to(self.device)
         logits = self.model.compute_logits(hidden[last_token_rows])
         return self.sampler(logits, sampling)
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs as host arrays: one row per sequence, one entry per new token."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    seq_lens: np.ndarray  # [B] int32
+    query_start_loc: np.ndarray  # [B + 1] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def build_step_inputs(
+    seqs: list[Sequence], num_new_tokens: list[int], block_size: int
+) -> StepInputs:
+    """Vectorised over tokens: Python touches each sequence once, never each token."""
+    counts = np.asarray(num_new_tokens, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    total = int(query_start_loc[-1])
+    row_of_token = np.repeat(np.arange(len(seqs)), counts)
+    positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
+    input_ids = np.fromiter(
+        (t for s, c, n in zip(seqs, starts, counts) for t in s.token_ids[c : c + n]),
+        np.int64,
+        total,
+    )
+    block_tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int32)
+    for row, seq in enumerate(seqs):
+        block_tables[row, : len(seq.block_table)] = seq.block_table
+    slot_mapping = (
+        block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        seq_lens=(starts + counts).astype(np.int32),
+        query_start_loc=query_start_loc,
+        block_tables=block_tables,
+        max_query_len=int(counts.max()),
+    )
 
 
 class DecodeGraphs:
@@ -244,36 +274,27 @@ class DecodeGraphs:
             max_query_len=1,
         )
 
-    def fits(self, seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
-        return len(seqs) <= self.batch_sizes[-1] and all(n == 1 for n in num_new_tokens)
+    def fits(self, inputs: StepInputs) -> bool:
+        return inputs.max_query_len == 1 and inputs.num_seqs <= self.batch_sizes[-1]
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        n = len(seqs)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
-        block_size = self.runner.block_size
-        positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        token_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, n)
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((n, width), dtype=np.int32)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
-        slots = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size
-        slots += positions % block_size
         # Staged in pinned host buffers, one copy per field; padded rows get harmless
         # values. The previous step's copies have finished: its sampled ids were read back.
         host = self.host_inputs[:, :bs]
-        host[0, :n] = token_ids
-        host[1, :n] = positions
-        host[2, :n] = slots
-        host[3, :n] = positions + 1
+        host[0, :n] = inputs.input_ids
+        host[1, :n] = inputs.positions
+        host[2, :n] = inputs.slot_mapping
+        host[3, :n] = inputs.seq_lens
         host[0, n:], host[1, n:], host[2, n:], host[3, n:] = 0, 0, -1, 1
         staged = self.host_inputs_tensor[:, :bs].to(self.runner.device, non_blocking=True)
         self.input_ids[:bs].copy_(staged[0])
         self.positions[:bs].copy_(staged[1])
         self.slot_mapping[:bs].copy_(staged[2])
         self.seq_lens[:bs].copy_(staged[3])
-        host_tables = self.host_tables[: n * width].reshape(n, width)
-        host_tables[:] = tables
+        width = inputs.block_tables.shape[1]
+        self.host_tables[: n * width].reshape(n, width)[:] = inputs.block_tables
         self.block_tables[:n, :width].copy_(
             self.host_tables_tensor[: n * width].view(n, width).to(
                 self.runner.device, non_blocking=True
