@@ -125,6 +125,16 @@ def write_json(path: str | None, result: dict[str, Any] | list[dict[str, Any]]) 
         Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def bench_main(add_args, run, prog: str, argv: list[str] | None = None) -> int:
+    """``python -m inference.bench.X``: the same bench as ``pagoda bench X``, for machines
+    where the server's dependencies are missing."""
+    import argparse
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return run(add_args(argparse.ArgumentParser(prog=prog)).parse_args(argv))
+
+
 def add_engine_args(parser) -> None:
     parser.add_argument("--model", default="qwen2.5-1.5b",
                         help=f"model folder or a named shape: {', '.join(SHAPES)}")

@@ -9,6 +9,7 @@ import time
 
 from inference.bench.common import (
     add_engine_args,
+    bench_main,
     engine_kwargs,
     random_prompts,
     record,
@@ -73,13 +74,6 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_latency(add_latency_args(argparse.ArgumentParser(prog="pagoda bench latency")).parse_args(argv))
-
 
 if __name__ == "__main__":
-    import logging
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    sys.exit(main())
+    raise SystemExit(bench_main(add_latency_args, run_latency, "pagoda bench latency"))

@@ -8,6 +8,7 @@ import time
 
 from inference.bench.common import (
     add_engine_args,
+    bench_main,
     engine_kwargs,
     random_prompts,
     record,
@@ -101,13 +102,6 @@ def _transformers_peer(args: argparse.Namespace, folder: str) -> dict:
                   engine="transformers")
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_throughput(add_throughput_args(argparse.ArgumentParser(prog="pagoda bench throughput")).parse_args(argv))
-
 
 if __name__ == "__main__":
-    import logging
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    sys.exit(main())
+    raise SystemExit(bench_main(add_throughput_args, run_throughput, "pagoda bench throughput"))

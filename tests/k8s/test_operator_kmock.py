@@ -293,6 +293,26 @@ def rbac_rules() -> list[dict[str, Any]]:
     return role["rules"]
 
 
+def granted_permissions() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples the operator's ClusterRole grants."""
+    return {
+        (group, resource, verb)
+        for rule in rbac_rules()
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def used_permissions(cluster: EmulatedCluster) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples of every API call the operator made."""
+    return {
+        permission
+        for _, method, path, query in operator_calls(cluster)
+        if (permission := requested_permission(method, path, query)) is not None
+    }
+
+
 def requested_permission(
     method: str, path: str, query: dict[str, str]
 ) -> tuple[str, str, str] | None:
@@ -339,18 +359,8 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
 
 def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> None:
     exercise_every_owned_kind(cluster)
-    granted = {
-        (group, resource, verb)
-        for rule in rbac_rules()
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-    used = {
-        permission
-        for _, method, path, query in operator_calls(cluster)
-        if (permission := requested_permission(method, path, query)) is not None
-    }
+    granted = granted_permissions()
+    used = used_permissions(cluster)
     assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"
     # Least privilege: everything granted is something the operator was seen doing, apart
     # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away.

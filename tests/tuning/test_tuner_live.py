@@ -26,11 +26,10 @@ from k8s.test_operator_kmock import (
     engine_container,
     event_messages,
     flag_value,
+    granted_permissions,
     llmd_path,
     llmd_status,
-    operator_calls,
-    rbac_rules,
-    requested_permission,
+    used_permissions,
 )
 from server.server_harness import free_port, start_subprocess_server
 
@@ -250,18 +249,8 @@ def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
 
 
 def test_tuner_calls_stay_within_the_cluster_role(cluster: EmulatedCluster) -> None:
-    granted = {
-        (group, resource, verb)
-        for rule in rbac_rules()
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-    used = {
-        permission
-        for _, method, path, query in operator_calls(cluster)
-        if (permission := requested_permission(method, path, query)) is not None
-    }
+    granted = granted_permissions()
+    used = used_permissions(cluster)
     assert used <= granted, sorted(used - granted)
 
 
