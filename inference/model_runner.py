@@ -159,6 +159,13 @@ class ModelRunner:
         """Compute this step's tokens for every sequence; sample the next token for the
         sequences at ``sample_rows`` (those whose last known token was computed)."""
         inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
+        return self.execute_inputs(inputs, sample_rows, sampling)
+
+    @torch.inference_mode()
+    def execute_inputs(
+        self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
+    ) -> SamplerOutput | None:
+        """The step from host arrays: what a tensor-parallel worker receives."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs):
             hidden = graphs.run(inputs)
