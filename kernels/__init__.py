@@ -9,6 +9,12 @@ otherwise. Tests compare every kernel against its reference.
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from kernels.linear import (
+    linear,
+    linear_ref,
+    linear_silu_and_mul,
+    linear_silu_and_mul_ref,
+)
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from kernels.rotary_kv_cache import (
@@ -19,6 +25,10 @@ from kernels.rotary_kv_cache import (
 __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
+    "linear",
+    "linear_ref",
+    "linear_silu_and_mul",
+    "linear_silu_and_mul_ref",
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",
