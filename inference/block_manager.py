@@ -69,7 +69,7 @@ class BlockManager:
         """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
         size = self.block_size
         hashes = seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // size):
+        for i in range(len(hashes), seq.num_known_tokens // size):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
 
@@ -79,7 +79,8 @@ class BlockManager:
             return []
         self._update_block_hashes(seq)
         size = self.block_size
-        max_blocks = (seq.num_tokens - 1) // size  # leave at least one token to compute
+        # Leave at least one token to compute.
+        max_blocks = min((seq.num_tokens - 1) // size, len(seq.block_hashes))
         found: list[int] = []
         for i in range(max_blocks):
             block_id = self.hash_to_block_id.get(seq.block_hashes[i])
@@ -99,6 +100,7 @@ class BlockManager:
         if num_full <= seq.num_published_blocks:
             return
         self._update_block_hashes(seq)
+        num_full = min(num_full, len(seq.block_hashes))  # blocks of known tokens only
         size = self.block_size
         start = seq.num_published_blocks
         seq.num_published_blocks = num_full

@@ -32,6 +32,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # pin the KV-cache size (blocks); None: size from memory
     cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where there is no memory profile
     load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights
+    # Launch step n+1 before step n's sampled tokens reach the host, so that host work
+    # overlaps the GPU's (one wasted token of compute when a sequence stops early).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -30,6 +30,22 @@ class LLM:
         self.engine.emit_unfinished_outputs = False  # generate() returns finished outputs only
         self._request_counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallel); also on ``with LLM(...)``
+        exit, garbage collection and interpreter exit."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

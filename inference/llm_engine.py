@@ -24,10 +24,10 @@ from inference.block_manager import BlockManager
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer
 from inference.model_files import resolve_model
-from inference.model_runner import ModelRunner
+from inference.model_runner import ModelRunner, StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from inference.sampler import RowLogprobs, SamplingMetadata
+from inference.sampler import RowLogprobs, SamplingMetadata, _has_penalties
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
@@ -56,6 +56,14 @@ class EngineStats:
 
 
 @dataclass
+class _LaunchedStep:
+    handle: StepHandle
+    seqs: list[Sequence]  # the sampled sequences, in sample-row order
+    positions: list[int]  # where each one's placeholder sits in its token_ids
+    needs_sync: bool  # penalties read the tokens: the next step must see real ids
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt: str | None
@@ -79,13 +87,43 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
         self.device = _resolve_device(config)
+        _check_tensor_parallel(config, self.model_config, self.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
         _resolve_lengths(config, self.model_config, self.device)
         torch.manual_seed(config.seed)
 
-        self.runner = ModelRunner(
+        # One GPU: the model runs in this process. Tensor parallel: worker processes hold
+        # the shards; the executor offers the runner's methods.
+        self.runner = _make_runner(
             config, self.model_config, str(self.model_path), self.device, self.dtype
         )
+        try:
+            num_blocks = self._size_kv_cache()
+        except BaseException:
+            self.runner.close()
+            raise
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, _Request] = {}
+        # Async scheduling (on by default): step n+1 is launched before step n's tokens
+        # are read back. Off, each step completes before the next is scheduled.
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: _LaunchedStep | None = None
+        self._pending_outputs: list[RequestOutput] = []
+        # Streaming callers want every step's progress; batch callers only final outputs.
+        self.emit_unfinished_outputs = True
+        self._next_seq_id = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+
+    def _size_kv_cache(self) -> int:
+        """Profile, allocate the KV cache and capture graphs; returns the block count."""
+        config = self.config
         t0 = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks()
         t1 = time.perf_counter()
@@ -102,25 +140,13 @@ class LLMEngine:
         }
         logger.info("start-up by phase: %s", self.startup_phases)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s); max concurrency at "
             "max_model_len=%d: %.1f", num_blocks, config.block_size,
             num_blocks * config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
+            " per GPU" if config.tensor_parallel_size > 1 else "",
             config.max_model_len, num_blocks * config.block_size / config.max_model_len,
         )
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
-        self.requests: dict[str, _Request] = {}
-        self._pending_outputs: list[RequestOutput] = []
-        # Streaming callers want every step's progress; batch callers only final outputs.
-        self.emit_unfinished_outputs = True
-        self._next_seq_id = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+        return num_blocks
 
     # -- intake ------------------------------------------------------------------------
     def add_request(
@@ -161,7 +187,10 @@ class LLMEngine:
         for index in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self.device)
+                # Tensor parallel: workers seed their own from (seq id, seed); the engine
+                # process keeps off the GPU.
+                on_host = self.config.tensor_parallel_size > 1
+                generator = torch.Generator(device="cpu" if on_host else self.device)
                 generator.manual_seed(params.seed + index)
             seq = Sequence(
                 self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator
@@ -209,37 +238,70 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. With async scheduling the step is launched first and the
+        previous step's tokens are processed while the device runs it, so the host's work
+        (stop checks, detokenization, outputs, the next schedule) hides behind the GPU's."""
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
+        launched = self._launch(batch) if batch else None
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._complete(previous, outputs)
+        if launched is not None and (not self.async_scheduling or launched.needs_sync):
+            self._in_flight = None
+            self._complete(launched, outputs)
+        return outputs
+
+    def _launch(self, batch) -> _LaunchedStep:
         now = time.time()
         seqs, counts = batch.seqs, batch.num_new_tokens
         self.computed_tokens_total += batch.num_batched_tokens
+        sampled_seqs = [
+            s for s, n in zip(seqs, counts) if s.num_computed_tokens + n == s.num_tokens
+        ]
         sample_rows = [
             row for row, (s, n) in enumerate(zip(seqs, counts))
             if s.num_computed_tokens + n == s.num_tokens
         ]
-        sampled = self.runner.execute(seqs, counts, sample_rows, self._sampling_metadata(
-            [seqs[row] for row in sample_rows]
-        ))
+        handle = self.runner.launch(
+            seqs, counts, sample_rows, self._sampling_metadata(sampled_seqs)
+        )
         for seq, n in zip(seqs, counts):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        # Each sampled sequence gets its coming token as a placeholder (-1 - row): the
+        # next step can be scheduled and run before the host knows its value.
+        positions = []
+        for row, seq in enumerate(sampled_seqs):
+            positions.append(seq.num_tokens)
+            seq.append_placeholder(-1 - row)
+        needs_sync = any(_has_penalties(s.params) for s in sampled_seqs)
+        return _LaunchedStep(handle, sampled_seqs, positions, needs_sync)
+
+    def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
+        """Put a launched step's sampled tokens in place of their placeholders, then check
+        each sequence's stop conditions and emit outputs."""
+        sampled = step.handle.result()
+        if sampled is None:
+            return
         touched: dict[str, _Request] = {}
         now = time.time()
-        for i, row in enumerate(sample_rows):
-            seq = seqs[row]
+        for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
+            if seq.is_finished:
+                continue  # aborted, or stopped by an earlier token while this step ran
             request = self.requests[seq.request_id]
-            self._process_token(request, seq, sampled.token_ids[i], sampled.logprobs[i], now)
+            token_id = sampled.token_ids[i]
+            seq.resolve_placeholder(position, token_id)
+            self.block_manager.cache_full_blocks(seq)
+            self._process_token(request, seq, token_id, sampled.logprobs[i], now)
             touched[request.request_id] = request
         for request in touched.values():
             finished = request.finished
@@ -247,24 +309,26 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
             if finished:
                 del self.requests[request.request_id]
-        return outputs
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         # Token histories only for rows whose sampling reads them (penalties, min_tokens):
         # copying every sequence's tokens every step would cost more than the step.
-        prompts, outputs = [], []
+        prompts, outputs, counts = [], [], []
         for seq in seqs:
             p = seq.params
             penalized = (
                 p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
             )
-            needs_output = penalized or seq.num_output_tokens < p.min_tokens
+            # Pending placeholders count towards min_tokens; penalised rows have none (their
+            # steps complete before the next is scheduled).
+            counts.append(seq.num_tokens - seq.num_prompt_tokens)
             prompts.append(seq.prompt_token_ids if p.repetition_penalty != 1.0 else [])
-            outputs.append(seq.output_token_ids if needs_output else [])
+            outputs.append(seq.output_token_ids if penalized else [])
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_token_ids=prompts,
             output_token_ids=outputs,
+            num_output_tokens=counts,
             generators=[s.generator for s in seqs],
         )
 
@@ -276,7 +340,6 @@ class LLMEngine:
         row_logprobs: RowLogprobs | None,
         now: float,
     ) -> None:
-        seq.append_token(token_id)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -309,7 +372,7 @@ class LLMEngine:
                 stop_str = _truncate_at_stop(detok, p.stop, p.include_stop_str_in_output)
                 if stop_str is not None:
                     return "stop", stop_str
-        if num_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_out >= p.max_tokens or seq.num_known_tokens >= self.config.max_model_len:
             return "length", None
         return None, None
 
@@ -360,6 +423,21 @@ class LLMEngine:
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
         )
+
+    # -- lifecycle and health -----------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise RuntimeError (with the reason) if the engine can no longer run steps: a
+        tensor-parallel worker died or failed. Cheap; for the server's /health."""
+        reason = getattr(self.runner, "dead_reason", None)
+        if reason is not None:
+            raise RuntimeError(reason)
+
+    def shutdown(self) -> None:
+        """Release the model: stops tensor-parallel workers (no-op on one GPU). Safe to
+        call more than once."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -422,15 +500,32 @@ def _eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
-    if config.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; use 1"
-        )
     if config.device == "cpu":
         return torch.device("cpu")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA GPU is available")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
+    from inference.distributed.parallel_state import check_divisible
+
+    tp = config.tensor_parallel_size
+    check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
+    if tp > 1 and device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs; this host has "
+            f"{torch.cuda.device_count()}"
+        )
+
+
+def _make_runner(config, model_config, model_path, device, dtype):
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_config, model_path, device, dtype)
+    from inference.distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, model_config, model_path, device, dtype)
 
 
 def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:

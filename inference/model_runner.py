@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from inference.config import EngineConfig
+from inference.distributed.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
-from inference.sampler import Sampler, SamplerOutput, SamplingMetadata
+from inference.sampler import SampledTokens, Sampler, SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -34,28 +35,37 @@ class ModelRunner:
         model_path: str,
         device: torch.device,
         dtype: torch.dtype,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        # Tensor parallelism: this rank's share of the KV heads (all of them on one GPU).
+        self.parallel = parallel
+        _, self.num_kv_heads = kv_head_range(
+            model_config.num_kv_heads, parallel.rank, parallel.world_size
+        )
         start = time.perf_counter()
         self.model = load_model(
-            model_path, model_config, dtype, device, config.max_model_len, config.load_format
+            model_path, model_config, dtype, device, config.max_model_len, config.load_format,
+            parallel,
         )
         self.load_seconds = time.perf_counter() - start
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        # The last step's sampled ids, where the next step's placeholders read them.
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
 
     # -- KV cache sizing ---------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -116,7 +126,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -125,6 +135,10 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.num_blocks = num_blocks
+
+    def close(self) -> None:
+        """Nothing to release in-process; the tensor-parallel executor's counterpart stops
+        its workers."""
 
     # -- one step ----------------------------------------------------------------------
     def _to_device(self, inputs: StepInputs):
@@ -148,7 +162,15 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self)
         return time.perf_counter() - start
 
-    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model over one step's tokens; a negative id stands for a token sampled by the
+        previous step that the host has not seen yet (async scheduling), read here from
+        ``sampled_ids`` on the device."""
+        input_ids = resolve_placeholders(input_ids, self.sampled_ids)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     def execute(
         self,
         seqs: list[Sequence],
@@ -158,26 +180,65 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Compute this step's tokens for every sequence; sample the next token for the
         sequences at ``sample_rows`` (those whose last known token was computed)."""
-        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
-        return self.execute_inputs(inputs, sample_rows, sampling)
+        return self.launch(seqs, num_new_tokens, sample_rows, sampling).result()
 
-    @torch.inference_mode()
+    def launch(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sample_rows: list[int],
+        sampling: SamplingMetadata,
+    ) -> StepHandle:
+        """Queue the step on the device and return at once (on a GPU): the host can do
+        other work while it runs and collect the sampled tokens with ``result()``."""
+        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
+        return self.launch_inputs(inputs, sample_rows, sampling)
+
     def execute_inputs(
         self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
     ) -> SamplerOutput | None:
         """The step from host arrays: what a tensor-parallel worker receives."""
+        return self.launch_inputs(inputs, sample_rows, sampling).result()
+
+    @torch.inference_mode()
+    def launch_inputs(
+        self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
+    ) -> StepHandle:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs):
             hidden = graphs.run(inputs)
         else:
             input_ids, positions, meta = self._to_device(inputs)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if inputs.has_placeholders:
+                hidden = self.forward(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
-            return None
+            return StepHandle(None)
         last_rows = inputs.query_start_loc[1:][sample_rows] - 1
-        last_token_rows = torch.from_numpy(last_rows).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token_rows])
-        return self.sampler(logits, sampling)
+        if len(last_rows) == inputs.num_seqs and inputs.max_query_len == 1:
+            last_hidden = hidden  # pure decode, every row sampled: no gather
+        else:
+            last_hidden = hidden[torch.from_numpy(last_rows).to(self.device)]
+        logits = self.model.compute_logits(last_hidden)
+        sampled = self.sampler.sample(logits, sampling)
+        self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
+        return StepHandle(sampled.start_copy_to_host())
+
+
+class StepHandle:
+    """A launched step; ``result()`` waits for its sampled tokens (None: nothing sampled)."""
+
+    def __init__(self, sampled: SampledTokens | None) -> None:
+        self._sampled = sampled
+
+    def result(self) -> SamplerOutput | None:
+        return None if self._sampled is None else self._sampled.to_host()
+
+
+def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """Replace each id ``-1 - i`` by ``sampled_ids[i]``; other ids pass through."""
+    return torch.where(input_ids < 0, sampled_ids[(-1 - input_ids).clamp_(min=0)], input_ids)
 
 
 @dataclass
@@ -195,6 +256,10 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def has_placeholders(self) -> bool:
+        return bool(len(self.input_ids)) and int(self.input_ids.min()) < 0
 
 
 def build_step_inputs(
@@ -254,21 +319,26 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
-        self.host_inputs_tensor = torch.zeros((4, max_bs), dtype=torch.int64).pin_memory()
-        self.host_inputs = self.host_inputs_tensor.numpy()
-        self.host_tables_tensor = torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory()
-        self.host_tables = self.host_tables_tensor.numpy()
+        # Pinned staging, two sets used in turn: with async scheduling the host fills one
+        # while the previous step's copies from the other may still be queued.
+        self.host_inputs_tensors = [
+            torch.zeros((4, max_bs), dtype=torch.int64).pin_memory() for _ in range(2)
+        ]
+        self.host_tables_tensors = [
+            torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory() for _ in range(2)
+        ]
+        self.num_runs = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first: it sizes the shared pool
                 meta = self._meta(bs)
-                args = (self.input_ids[:bs], self.positions[:bs], runner.kv_caches, meta)
-                runner.model(*args)  # compile/warm every kernel outside the capture
+                args = (self.input_ids[:bs], self.positions[:bs], meta)
+                runner.forward(*args)  # compile/warm every kernel outside the capture
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = runner.model(*args)
+                    out = runner.forward(*args)
                 self.graphs[bs] = (graph, out)
         torch.cuda.synchronize(device)
 
@@ -288,22 +358,27 @@ class DecodeGraphs:
         n = inputs.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
         # Staged in pinned host buffers, one copy per field; padded rows get harmless
-        # values. The previous step's copies have finished: its sampled ids were read back.
-        host = self.host_inputs[:, :bs]
+        # values. The set used two steps ago is free again: that step's sampled ids have
+        # been read back, so its copies are done.
+        which = self.num_runs % 2
+        self.num_runs += 1
+        host_inputs_tensor = self.host_inputs_tensors[which]
+        host = host_inputs_tensor.numpy()[:, :bs]
         host[0, :n] = inputs.input_ids
         host[1, :n] = inputs.positions
         host[2, :n] = inputs.slot_mapping
         host[3, :n] = inputs.seq_lens
         host[0, n:], host[1, n:], host[2, n:], host[3, n:] = 0, 0, -1, 1
-        staged = self.host_inputs_tensor[:, :bs].to(self.runner.device, non_blocking=True)
+        staged = host_inputs_tensor[:, :bs].to(self.runner.device, non_blocking=True)
         self.input_ids[:bs].copy_(staged[0])
         self.positions[:bs].copy_(staged[1])
         self.slot_mapping[:bs].copy_(staged[2])
         self.seq_lens[:bs].copy_(staged[3])
         width = inputs.block_tables.shape[1]
-        self.host_tables[: n * width].reshape(n, width)[:] = inputs.block_tables
+        host_tables_tensor = self.host_tables_tensors[which]
+        host_tables_tensor.numpy()[: n * width].reshape(n, width)[:] = inputs.block_tables
         self.block_tables[:n, :width].copy_(
-            self.host_tables_tensor[: n * width].view(n, width).to(
+            host_tables_tensor[: n * width].view(n, width).to(
                 self.runner.device, non_blocking=True
             )
         )

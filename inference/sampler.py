@@ -30,6 +30,14 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]  # per row
     output_token_ids: list[list[int]]  # per row, tokens generated before this step
     generators: list[torch.Generator | None]  # per row; set for seeded requests
+    # per row, tokens generated so far (min_tokens); None: len(output_token_ids), for callers
+    # that pass every row's full output
+    num_output_tokens: list[int] | None = None
+
+    def output_counts(self) -> list[int]:
+        if self.num_output_tokens is not None:
+            return self.num_output_tokens
+        return [len(ids) for ids in self.output_token_ids]
 
 
 @dataclass
@@ -86,8 +94,9 @@ def mask_stop_tokens_for_min_tokens(
     rows: list[int] = []
     cols: list[int] = []
     vocab_size = logits.shape[-1]
-    for row, (p, output) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
-        if len(output) < p.min_tokens:
+    counts = metadata.output_counts()
+    for row, (p, count) in enumerate(zip(metadata.params, counts, strict=True)):
+        if count < p.min_tokens:
             ids = [t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size]
             rows += [row] * len(ids)
             cols += ids
@@ -270,17 +279,18 @@ def _sample_random_rows(
     return _exponential_race(logits.softmax(dim=-1), sampling, generators)
 
 
-def _gather_logprobs(
+def _pack_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> tuple[list[int], list[RowLogprobs | None]]:
+) -> torch.Tensor:
+    """Sampled ids, their ranks and logprobs, and each row's top logprobs, packed in one
+    float64 tensor (which holds ids and ranks exactly) so they come back in one transfer."""
     # Computed for every row: on the GPU that is cheaper than gathering the rows that asked.
     logprobs = raw_logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > sampled).sum(dim=-1) + 1
     num_top = max(p.logprobs or 0 for p in params)
     top = logprobs.topk(num_top, dim=-1)
-    # float64 holds ids and ranks exactly, so everything comes back in one transfer.
-    packed = torch.cat(
+    return torch.cat(
         [
             token_ids.double(),
             ranks.double(),
@@ -288,8 +298,14 @@ def _gather_logprobs(
             top.indices.double().flatten(),
             top.values.double().flatten(),
         ]
-    ).tolist()
+    )
+
+
+def _unpack_logprobs(
+    packed: list[float], params: list[SamplingParams]
+) -> tuple[list[int], list[RowLogprobs | None]]:
     batch = len(params)
+    num_top = max(p.logprobs or 0 for p in params)
     ids = [int(t) for t in packed[:batch]]
     top_ids = packed[3 * batch : 3 * batch + batch * num_top]
     top_values = packed[3 * batch + batch * num_top :]
@@ -310,24 +326,61 @@ def _gather_logprobs(
     return ids, rows
 
 
+class SampledTokens:
+    """A step's sampling result while it may still be on its way from the device.
+
+    ``token_ids`` stays on the device (the next step can read it there before the host has
+    seen it); ``start_copy_to_host`` queues the one device-to-host transfer behind the
+    step's work and ``to_host`` waits for it."""
+
+    def __init__(
+        self, token_ids: torch.Tensor, logprob_pack: torch.Tensor | None,
+        params: list[SamplingParams],
+    ) -> None:
+        self.token_ids = token_ids
+        self._payload = logprob_pack if logprob_pack is not None else token_ids
+        self._has_logprobs = logprob_pack is not None
+        self._params = params
+        self._ready: torch.cuda.Event | None = None
+
+    def start_copy_to_host(self) -> SampledTokens:
+        payload = self._payload
+        if payload.device.type == "cuda":
+            host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            host.copy_(payload, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            self._payload = host
+        return self
+
+    def to_host(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._payload.tolist()
+        if not self._has_logprobs:
+            return SamplerOutput(values, [None] * len(values))
+        return SamplerOutput(*_unpack_logprobs(values, self._params))
+
+
 class Sampler:
     """Picks one token per row of a [B, V] float32 logits tensor (CPU or CUDA)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.sample(logits, metadata).to_host()
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SampledTokens:
+        """Everything on the logits' device; nothing is read back here."""
         params = metadata.params
-        no_logprobs: list[RowLogprobs | None] = [None] * len(params)
-        if not params:
-            return SamplerOutput([], [])
         logits = logits.float()
         all_greedy = all(p.greedy for p in params)
         penalized = [_has_penalties(p) for p in params]
         wants_logprobs = any(p.logprobs is not None for p in params)
         in_min_tokens = any(
-            len(out) < p.min_tokens
-            for p, out in zip(params, metadata.output_token_ids, strict=True)
+            count < p.min_tokens
+            for p, count in zip(params, metadata.output_counts(), strict=True)
         )
         if all_greedy and not (any(penalized) or in_min_tokens or wants_logprobs):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), no_logprobs)
+            return SampledTokens(logits.argmax(dim=-1), None, params)
 
         scalars = _row_scalars(params, logits.device)
         processed = mask_stop_tokens_for_min_tokens(logits, metadata)
@@ -353,7 +406,5 @@ class Sampler:
             if any(p.greedy for p in params):
                 greedy_rows = scalars[:, _GREEDY] > 0
                 token_ids = torch.where(greedy_rows, processed.argmax(dim=-1), token_ids)
-        if not wants_logprobs:
-            return SamplerOutput(token_ids.tolist(), no_logprobs)
-        ids, row_logprobs = _gather_logprobs(logits, token_ids, params)
-        return SamplerOutput(ids, row_logprobs)
+        pack = _pack_logprobs(logits, token_ids, params) if wants_logprobs else None
+        return SampledTokens(token_ids, pack, params)

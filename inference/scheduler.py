@@ -61,6 +61,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.reached_max_tokens:
+                i += 1  # its final token is still on the device: it is about to finish
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
@@ -111,4 +114,5 @@ class Scheduler:
             except ValueError:
                 pass
         self.block_manager.free(seq)
+        seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED

@@ -46,6 +46,9 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = field(init=False, default_factory=list)
     cumulative_logprob: float = field(init=False, default=0.0)
     num_preemptions: int = field(init=False, default=0)
+    # Placeholders at the end of token_ids for tokens sampled on the device but not yet read
+    # back (async scheduling); the model runner substitutes their values on the device.
+    num_pending_tokens: int = field(init=False, default=0)
     first_scheduled_time: float | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
     last_token_time: float | None = field(init=False, default=None)
@@ -62,12 +65,22 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host knows (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Its last token, pending or known, is the last it may have: nothing to compute."""
+        return len(self.token_ids) >= self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -75,6 +88,19 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_placeholder(self, code: int) -> None:
+        self.token_ids.append(code)
+        self.num_pending_tokens += 1
+
+    def resolve_placeholder(self, position: int, token_id: int) -> None:
+        self.token_ids[position] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_placeholders(self) -> None:
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens :]
+            self.num_pending_tokens = 0
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the KV cache forgets everything; tokens stay."""

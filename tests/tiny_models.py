@@ -75,7 +75,8 @@ def build_tiny_model(folder: Path, arch: str, dtype=torch.float32, seed: int = 0
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder)
-    config = _config(arch, len(tok), **overrides)
+    # vocab_size may exceed the tokenizer's (an odd size, say): ids past it are unused.
+    config = _config(arch, overrides.pop("vocab_size", len(tok)), **overrides)
     torch.manual_seed(seed)
     model_cls = {
         "llama": transformers.LlamaForCausalLM,

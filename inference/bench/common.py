@@ -145,8 +145,11 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-enable-prefix-caching", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="complete each step before scheduling the next")
     parser.add_argument("--output-json", default=None)
 
 
@@ -159,8 +162,10 @@ def engine_kwargs(args, max_len_needed: int) -> dict[str, Any]:
         max_model_len=args.max_model_len or max_len_needed,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_enable_prefix_caching,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 

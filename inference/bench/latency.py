@@ -66,7 +66,8 @@ def run_latency(args: argparse.Namespace) -> int:
     for output_len in args.output_len:
         for batch in args.batch_size:
             result = _measure(llm, vocab, batch, args.input_len, output_len, args.num_iters)
-            results.append(record("latency", model=args.model, **result))
+            results.append(record("latency", model=args.model,
+                                  tensor_parallel_size=args.tensor_parallel_size, **result))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
                   f"{result['output_tok_s']:9.0f} out tok/s")

@@ -47,6 +47,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     result = record(
         "throughput",
         model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,

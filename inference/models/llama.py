@@ -4,6 +4,13 @@ and GPU (Triton).
 
 Projections are fused where the weights allow it: q, k and v in one matrix, gate and up
 in another, so a layer launches a handful of kernels rather than a dozen.
+
+Tensor parallelism (Megatron style): with ``parallel.world_size > 1`` each rank holds its
+share of the query heads, its KV heads (an equal share, or one replicated head when there
+are fewer KV heads than ranks), its rows of gate/up and the matching columns of o_proj and
+down_proj, and a slice of the vocabulary; o_proj's and down_proj's partial sums and the
+embedding are all-reduced, the LM head's logits all-gathered. ``ModelConfig`` stays the
+global shape; the local sizes follow from (config, rank, world size).
 """
 
 from __future__ import annotations
@@ -12,9 +19,27 @@ import torch
 from torch import nn
 
 import kernels
+from inference.distributed.parallel_state import (
+    SINGLE,
+    ParallelContext,
+    kv_head_range,
+    vocab_range,
+)
 from inference.layers.attention_metadata import AttentionMetadata
+from inference.layers.embedding import vocab_parallel_embedding, vocab_parallel_logits
 from inference.layers.rotary import build_cos_sin_cache
 from inference.models.config import ModelConfig
+from kernels.linear import MAX_M as SKINNY_MAX_M
+
+# Decode-sized steps go through kernels.linear (a Triton skinny GEMM where it beats cuBLAS);
+# larger ones straight to cuBLAS, without the dispatch's per-call Python.
+_SKINNY_MAX_TOKENS = SKINNY_MAX_M
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    if x.shape[0] <= _SKINNY_MAX_TOKENS:
+        return kernels.linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -22,24 +47,29 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.parallel = parallel
+        world = parallel.world_size
+        self.num_heads = cfg.num_heads // world  # this rank's query heads
+        _, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, parallel.rank, world)
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        intermediate = cfg.intermediate_size // world
         self.input_norm = _empty(cfg.hidden_size)
+        # Column-parallel (output rows split): qkv and gate/up; row-parallel (input
+        # columns split, partial sums all-reduced): o_proj and down_proj.
         self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, cfg.hidden_size)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.q_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         self.o_proj = _empty(cfg.hidden_size, self.q_size)
         self.post_attention_norm = _empty(cfg.hidden_size)
-        self.gate_up_proj = _empty(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _empty(cfg.hidden_size, cfg.intermediate_size)
+        self.gate_up_proj = _empty(2 * intermediate, cfg.hidden_size)
+        self.down_proj = _empty(cfg.hidden_size, intermediate)
 
     def forward(
         self,
@@ -61,9 +91,12 @@ class DecoderLayer(nn.Module):
         hidden, residual = kernels.fused_add_rms_norm(
             hidden, residual, self.post_attention_norm, self.eps
         )
-        gate_up = nn.functional.linear(hidden, self.gate_up_proj)
-        hidden = nn.functional.linear(kernels.silu_and_mul(gate_up), self.down_proj)
-        return hidden, residual
+        if hidden.shape[0] <= _SKINNY_MAX_TOKENS:
+            gated = kernels.linear_silu_and_mul(hidden, self.gate_up_proj)
+        else:
+            gated = kernels.silu_and_mul(nn.functional.linear(hidden, self.gate_up_proj))
+        hidden = _linear(gated, self.down_proj)
+        return self.parallel.all_reduce(hidden), residual
 
     def _attention(
         self,
@@ -74,7 +107,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = nn.functional.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = _linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,17 +129,25 @@ class DecoderLayer(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
         )
-        return nn.functional.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        return self.parallel.all_reduce(out)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_position: int, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.parallel = parallel
+        # This rank's vocabulary rows (all of them without tensor parallelism).
+        self.vocab_start, vocab_rows, self.vocab_rows_valid = vocab_range(
+            cfg.vocab_size, parallel.rank, parallel.world_size
+        )
+        self.embed_tokens = _empty(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, parallel) for _ in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _empty(vocab_rows, cfg.hidden_size)
         self.register_buffer(
             "cos_sin_cache",
             build_cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling),
@@ -121,7 +162,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        hidden = nn.functional.embedding(input_ids, self.embed_tokens)
+        if self.parallel.is_parallel:
+            hidden = vocab_parallel_embedding(
+                input_ids, self.embed_tokens, self.vocab_start, self.parallel
+            )
+        else:
+            hidden = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache, meta)
@@ -130,63 +176,107 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.parallel.is_parallel:
+            vocab_size = self.config.vocab_size
+            return vocab_parallel_logits(hidden, weight, vocab_size, self.parallel).float()
         return nn.functional.linear(hidden, weight).float()
 
     # -- weights -----------------------------------------------------------------------
     def load_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_slices = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
-        inter = cfg.intermediate_size
-        gate_up_slices = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        """Copy (name, weight) pairs in Hugging Face naming into the fused parameters. A
+        weight is a tensor or a lazy safetensors entry (``loader.SafetensorsWeight``); of a
+        lazy one, a rank reads only its shard."""
+        shards = self._shard_table()
         loaded: set[str] = set()
-        for name, tensor in weights:
-            target, rows = self._map_weight(name, qkv_slices, gate_up_slices)
-            if target is None:
+        for name, weight in weights:
+            placement = self._map_weight(name, shards)
+            if placement is None:
                 continue
+            target, rows, source = placement
             param = self.get_parameter(target)
             dest = param.data if rows is None else param.data.narrow(0, *rows)
+            tensor = read_shard(weight, source)
             if dest.shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(f"{target}:{rows}")
+        if self.vocab_rows_valid < self.embed_tokens.shape[0]:  # padding rows of the last rank
+            for param in (self.embed_tokens, self.lm_head):
+                if param is not None:
+                    param.data[self.vocab_rows_valid :].zero_()
         self._check_all_loaded(loaded)
 
-    def _map_weight(self, name: str, qkv_slices: dict, gate_up_slices: dict):
+    def _shard_table(self) -> dict[str, tuple[tuple[int, int] | None, _Source]]:
+        """For each Hugging Face projection (and the vocabulary): where it lands in the
+        fused parameter (rows, or None for all of it) and which part of the checkpoint
+        tensor this rank reads (dim, start, length; dim None: all of it)."""
+        cfg, rank, world = self.config, self.parallel.rank, self.parallel.world_size
+        dim = cfg.head_dim
+        q = cfg.num_heads // world * dim
+        kv_first, kv_heads = kv_head_range(cfg.num_kv_heads, rank, world)
+        kv = kv_heads * dim
+        inter = cfg.intermediate_size // world
+        whole = (None, 0, 0)
+        if world == 1:
+            q_src = k_src = o_src = gate_src = down_src = whole
+            vocab_src = whole
+        else:
+            q_src, k_src = (0, rank * q, q), (0, kv_first * dim, kv)
+            o_src = (1, rank * q, q)
+            gate_src, down_src = (0, rank * inter, inter), (1, rank * inter, inter)
+            vocab_src = (0, self.vocab_start, self.vocab_rows_valid)
+        return {
+            "q_proj": ((0, q), q_src),
+            "k_proj": ((q, kv), k_src),
+            "v_proj": ((q + kv, kv), k_src),
+            "o_proj": (None, o_src),
+            "gate_proj": ((0, inter), gate_src),
+            "up_proj": ((inter, inter), gate_src),
+            "down_proj": (None, down_src),
+            # Without padding the vocabulary fills the parameter: rows None as before.
+            "vocab": (
+                None if self.vocab_rows_valid == self.embed_tokens.shape[0]
+                else (0, self.vocab_rows_valid),
+                vocab_src,
+            ),
+        }
+
+    def _map_weight(self, name: str, shards: dict):
+        """(parameter name, its rows or None, the part of the tensor to read) or None for
+        a weight the model does not use."""
         if name.startswith("model."):
             name = name[len("model.") :]
+        whole = (None, 0, 0)
         if "rotary_emb" in name:
-            return None, None
+            return None
         if name == "embed_tokens.weight":
-            return "embed_tokens", None
+            return ("embed_tokens", *shards["vocab"])
         if name == "norm.weight":
-            return "norm", None
+            return "norm", None, whole
         if name == "lm_head.weight":
-            return (None, None) if self.lm_head is None else ("lm_head", None)
+            return None if self.lm_head is None else ("lm_head", *shards["vocab"])
         if not name.startswith("layers."):
             raise ValueError(f"unexpected weight {name!r}")
         _, idx, module, *rest = name.split(".")
         prefix = f"layers.{idx}."
         leaf = ".".join(rest)
         if module == "input_layernorm":
-            return prefix + "input_norm", None
+            return prefix + "input_norm", None, whole
         if module == "post_attention_layernorm":
-            return prefix + "post_attention_norm", None
+            return prefix + "post_attention_norm", None, whole
         if module == "self_attn":
             proj, kind = rest[0], rest[-1]
-            if proj in qkv_slices:
-                return prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"), qkv_slices[proj]
+            if proj in ("q_proj", "k_proj", "v_proj"):
+                return (prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"), *shards[proj])
             if proj == "o_proj" and kind == "weight":
-                return prefix + "o_proj", None
+                return (prefix + "o_proj", *shards[proj])
             if proj in ("q_norm", "k_norm"):
-                return prefix + proj, None
+                return prefix + proj, None, whole
         if module == "mlp":
             proj = rest[0]
-            if proj in gate_up_slices:
-                return prefix + "gate_up_proj", gate_up_slices[proj]
-            if proj == "down_proj":
-                return prefix + "down_proj", None
+            if proj in ("gate_proj", "up_proj", "down_proj"):
+                target = "down_proj" if proj == "down_proj" else "gate_up_proj"
+                return (prefix + target, *shards[proj])
         raise ValueError(f"unexpected weight {name!r} ({module}.{leaf})")
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
@@ -199,3 +289,16 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint provided {len(loaded)} of {expected} weight tensors; "
                 "some weights are missing"
             )
+
+
+# (dim, start, length) of a checkpoint tensor; dim None: the whole tensor.
+_Source = tuple[int | None, int, int]
+
+
+def read_shard(weight, source: _Source) -> torch.Tensor:
+    """The part ``source`` of a tensor or of a lazy safetensors entry (which then reads
+    only that part from the file)."""
+    dim, start, length = source
+    if isinstance(weight, torch.Tensor):
+        return weight if dim is None else weight.narrow(dim, start, length)
+    return weight.read(dim, start, length)

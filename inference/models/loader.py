@@ -10,12 +10,31 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from inference.distributed.parallel_state import SINGLE, ParallelContext
 from inference.models import get_model_class
 from inference.models.config import ModelConfig
 from inference.models.llama import LlamaForCausalLM
 
 
-def iter_safetensors(folder: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsWeight:
+    """One tensor of an open safetensors file, read on demand: whole, or only a slice
+    along one dimension (a tensor-parallel rank's shard) without materialising the rest."""
+
+    __slots__ = ("file", "name")
+
+    def __init__(self, file, name: str) -> None:
+        self.file, self.name = file, name
+
+    def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
+        if dim is None:
+            return self.file.get_tensor(self.name)
+        index = [slice(None)] * (dim + 1)
+        index[dim] = slice(start, start + length)
+        return self.file.get_slice(self.name)[tuple(index)]
+
+
+def iter_safetensors(folder: Path, device: torch.device) -> Iterator[tuple[str, SafetensorsWeight]]:
+    """(name, lazy weight) for every tensor of the folder; each is valid until the next."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -26,7 +45,7 @@ def iter_safetensors(folder: Path, device: torch.device) -> Iterator[tuple[str, 
     for name in files:
         with safe_open(str(folder / name), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, SafetensorsWeight(f, key)
 
 
 @contextlib.contextmanager
@@ -46,12 +65,13 @@ def load_model(
     device: torch.device,
     max_position: int,
     load_format: str = "auto",
+    parallel: ParallelContext = SINGLE,
 ) -> LlamaForCausalLM:
     folder = Path(folder)
     cls = get_model_class(config)
     # Parameters are created uninitialised, straight on the target device and dtype.
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config, max_position=max_position)
+        model = cls(config, max_position=max_position, parallel=parallel)
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     with torch.no_grad():
         if load_format == "dummy":

@@ -1,0 +1,155 @@
+"""Who this process is in a tensor-parallel group, and the two collectives the model needs.
+
+A ``ParallelContext`` is passed explicitly (runner -> model -> layers); there is no module
+global. With ``world_size == 1`` every collective returns its input untouched and nothing
+from ``torch.distributed`` is imported or called, so the single-GPU path pays nothing.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # the torch.distributed process group; None when world_size == 1
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns ``tensor``."""
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along the last dimension, rank order."""
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        # Ranks stacked along dim 0 in one buffer (all_gather_into_tensor): gloo takes that
+        # layout, and one flat collective keeps the NCCL path CUDA-graph capturable.
+        gathered = torch.empty(
+            (self.world_size * tensor.shape[0], *tensor.shape[1:]),
+            dtype=tensor.dtype, device=tensor.device,
+        )
+        # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, tensor, group=self.group)
+        gathered = gathered.view(self.world_size, *tensor.shape)
+        return gathered.movedim(0, -2).reshape(*tensor.shape[:-1], -1)
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (host int), e.g. KV blocks that fit."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+
+SINGLE = ParallelContext()
+
+
+def init_parallel(
+    rank: int, world_size: int, port: int, device_type: str, timeout_s: float = 1800.0
+) -> ParallelContext:
+    """Join the group over TCP on 127.0.0.1:``port`` (workers of one host): NCCL between
+    GPUs, gloo on CPU."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return ParallelContext(rank, world_size, dist.group.WORLD)
+
+
+def destroy_parallel(context: ParallelContext) -> None:
+    if context.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_local_port() -> int:
+    """A port free right now on 127.0.0.1, for the group's TCP rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- how a model's shapes split over ranks -------------------------------------------------
+
+
+def check_divisible(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int
+) -> None:
+    """ValueError unless the model can be split ``world_size`` ways."""
+    if world_size == 1:
+        return
+    if num_heads % world_size:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} must divide the model's "
+            f"num_attention_heads ({num_heads})"
+        )
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        raise ValueError(
+            f"the model's num_key_value_heads ({num_kv_heads}) and tensor_parallel_size="
+            f"{world_size} must divide one another (heads are split, or replicated when "
+            "there are fewer KV heads than ranks)"
+        )
+    if intermediate_size % world_size:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} must divide the model's "
+            f"intermediate_size ({intermediate_size})"
+        )
+
+
+def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first KV head, count) a rank holds: an equal share, or the one head its query heads
+    use when there are fewer KV heads than ranks (that head is then replicated)."""
+    if num_kv_heads >= world_size:
+        per_rank = num_kv_heads // world_size
+        return rank * per_rank, per_rank
+    return rank * num_kv_heads // world_size, 1
+
+
+def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(first id, rows held, rows with real ids): the vocabulary is padded up to a multiple
+    of ``world_size`` so every rank's shard, and so the all-gather, has one shape."""
+    per_rank = -(-vocab_size // world_size)
+    start = rank * per_rank
+    return start, per_rank, max(0, min(per_rank, vocab_size - start))

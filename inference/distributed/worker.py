@@ -1,0 +1,176 @@
+"""A tensor-parallel worker: one process per GPU (or per CPU rank under gloo).
+
+It joins the process group, loads its shard of the model into a ``ModelRunner`` and then
+serves the engine's messages over its pipe until told to stop or until the pipe closes
+(the engine exited or was killed: a worker never outlives its engine).
+
+Every rank runs every step the same way, sampler included: the logits are all-gathered,
+so each rank holds the full distribution, and with the same seeds and the same calls each
+samples the same tokens (the next step's inputs may refer to them on the device). Only
+rank 0 replies to a step; every rank replies to the set-up calls, and any rank reports an
+exception before exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from inference.config import EngineConfig
+from inference.models.config import ModelConfig
+
+
+@dataclass
+class WorkerArgs:
+    rank: int
+    world_size: int
+    port: int  # TCP rendezvous of the process group on 127.0.0.1
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str
+    device_type: str  # "cuda" or "cpu"
+    dtype: torch.dtype
+    parent_pid: int
+    env: dict[str, str]  # set (if unset) before anything touches NCCL
+
+
+# Messages, engine -> worker: pickled tuples (method, *args). Replies: ("ok", value) or
+# ("error", text).
+SHUTDOWN = "shutdown"
+EXECUTE = "execute"
+_SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_decode_graphs")
+
+
+def worker_main(args: WorkerArgs, conn) -> None:
+    for key, value in args.env.items():
+        os.environ.setdefault(key, value)
+    # Ctrl-C reaches the whole process group; the engine decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(args.parent_pid)
+    try:
+        worker = _Worker(args, conn)
+    except BaseException:
+        _report_and_exit(conn, "failed to start")
+    try:
+        worker.serve()
+    except BaseException:
+        _report_and_exit(conn, "failed")
+    worker.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Straight out: interpreter teardown (library threads, atexit hooks) only adds delay.
+    os._exit(0)
+
+
+def _report_and_exit(conn, what: str) -> None:
+    error = sys.exc_info()[1]
+    text = f"{what}: {type(error).__name__}: {error}\n\nworker traceback:\n"
+    try:
+        conn.send(("error", text + traceback.format_exc()))
+    except OSError:
+        pass
+    sys.stderr.flush()
+    # Not sys.exit: a process-group teardown could block on peers that are gone.
+    os._exit(1)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker stuck in a collective does not read its pipe, so EOF alone cannot stop it
+    when the engine dies: watch the parent too."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class _Worker:
+    def __init__(self, args: WorkerArgs, conn) -> None:
+        from inference.distributed.parallel_state import init_parallel
+        from inference.model_runner import ModelRunner
+
+        self.rank = args.rank
+        self.conn = conn
+        if args.device_type == "cuda":
+            torch.cuda.set_device(args.rank)
+            self.device = torch.device("cuda", args.rank)
+        else:
+            # Ranks share the host's cores: do not oversubscribe them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+            self.device = torch.device("cpu")
+        # Same seed on every rank: the same calls then draw the same numbers (dummy weights
+        # of equal-shaped shards, unseeded sampling).
+        torch.manual_seed(args.config.seed)
+        self.parallel = init_parallel(args.rank, args.world_size, args.port, args.device_type)
+        self.runner = ModelRunner(
+            args.config, args.model_config, args.model_path, self.device, args.dtype,
+            self.parallel,
+        )
+        # Sampling state of the engine's live sequences, by id: (params, seeded generator).
+        self.sequences: dict[int, tuple[Any, torch.Generator | None]] = {}
+        conn.send(("ok", {"load_seconds": self.runner.load_seconds, "pid": os.getpid()}))
+
+    def serve(self) -> None:
+        conn = self.conn
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return  # the engine is gone
+            method, *payload = message
+            if method == SHUTDOWN:
+                return
+            if method == EXECUTE:
+                result = self.execute(*payload)
+                if self.rank == 0:
+                    conn.send(("ok", result))
+            elif method in _SETUP_CALLS:
+                conn.send(("ok", getattr(self, method)(*payload)))
+            else:
+                raise ValueError(f"unknown message {method!r}")
+
+    # -- set-up calls (every rank replies) ----------------------------------------------
+    def determine_num_blocks(self) -> int:
+        # Every rank must hold the same number of blocks: the smallest that fits everywhere.
+        return self.parallel.all_reduce_min(self.runner.determine_num_blocks())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def capture_decode_graphs(self) -> float:
+        return self.runner.capture_decode_graphs()
+
+    # -- one step ------------------------------------------------------------------------
+    def execute(self, inputs, sample_rows, sampling, seq_ids, new_seqs, finished) -> Any:
+        """``sampling`` arrives without params and generators: they are looked up by the
+        sampled rows' sequence ids (``new_seqs`` brings those seen for the first time)."""
+        for seq_id in finished:
+            self.sequences.pop(seq_id, None)
+        for seq_id, (params, seed) in new_seqs.items():
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+            self.sequences[seq_id] = (params, generator)
+        states = [self.sequences[seq_id] for seq_id in seq_ids]
+        sampling = replace(
+            sampling, params=[s[0] for s in states], generators=[s[1] for s in states]
+        )
+        return self.runner.execute_inputs(inputs, sample_rows, sampling)
+
+    def close(self) -> None:
+        from inference.distributed.parallel_state import destroy_parallel
+
+        destroy_parallel(self.parallel)
