@@ -98,7 +98,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 class _Worker:
     def __init__(self, args: WorkerArgs, conn) -> None:
-        from inference.distributed.parallel_state import init_parallel
+        from inference.distributed.parallel_state import init_parallel, with_small_all_reduce
         from inference.model_runner import ModelRunner
 
         self.rank = args.rank
@@ -113,7 +113,10 @@ class _Worker:
         # Same seed on every rank: the same calls then draw the same numbers (dummy weights
         # of equal-shaped shards, unseeded sampling).
         torch.manual_seed(args.config.seed)
-        self.parallel = init_parallel(args.rank, args.world_size, args.port, args.device_type)
+        self.parallel = with_small_all_reduce(
+            init_parallel(args.rank, args.world_size, args.port, args.device_type),
+            self.device, args.dtype,
+        )
         self.runner = ModelRunner(
             args.config, args.model_config, args.model_path, self.device, args.dtype,
             self.parallel,
