@@ -1,34 +1,55 @@
 """AsyncLLMEngine: the asyncio front of the engine, for the HTTP server.
 
-The engine is synchronous and not thread-safe, so it lives on one dedicated thread that
-owns it completely: that thread builds it (loading weights takes seconds to minutes and
-must not block the event loop), warms it up, then loops ``drain inbox -> step -> publish``.
-The event loop never calls the engine. It talks to the thread through an inbox of adds and
-aborts (a list under a lock plus a wake-up event) and receives each step's outputs in one
-``call_soon_threadsafe`` per step.
+The engine runs in a process of its own (``inference/engine_core.py``): in the server's
+process its step loop would share the GIL with the event loop that writes every token of
+every stream, and each would wait on the other. This side keeps the server's view:
 
-Outputs are cumulative, so a request's stream keeps only the latest one: a consumer that
-falls behind (slow client, busy event loop) skips straight to the newest state instead of
-working through a backlog, and per-token cost on the event loop stays bounded under load.
+- requests go to the engine process as commands, through a sender thread (a full pipe must
+  never block the event loop);
+- a reader thread takes the engine's one message per step off the pipe (so the engine never
+  waits on a busy event loop), unpickles it and hands it to the loop with one
+  ``call_soon_threadsafe``; the loop appends each request's delta to that request's queue;
+- ``generate`` yields one output per engine step per request: deltas for the server's
+  handlers (``delta=True``), or the cumulative view, assembled here, for everyone else;
+- health: the engine process must be alive and heard from (a step message, or an idle
+  heartbeat every second); if it dies or reports a failure, every in-flight request gets
+  ``EngineDeadError`` at once and ``/health`` says why.
+
+The tokenizer is loaded here as well (while the engine loads its weights), because the
+server renders chat templates and checks prompt lengths before anything is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import multiprocessing
+import multiprocessing.connection
+import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from inference.config import EngineConfig
-from inference.outputs import RequestOutput
+from inference.engine_core import (
+    EngineInfo,
+    StepTimings,
+    default_engine_factory,
+    run_engine_core,
+)
+from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_WARMUP_MAX_STEPS = 10_000
+_PIPE_BYTES = 1 << 20  # room for many steps of output should the reader fall behind
+_STOP_TIMEOUT_S = 30.0
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class QueueFullError(Exception):
@@ -40,38 +61,56 @@ class EngineNotReadyError(Exception):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; nothing more will be served."""
+    """The engine process failed; nothing more will be served."""
 
 
 class RequestAbortedError(Exception):
     """The request was aborted (client gone or server shutting down) before it finished."""
 
 
-class StepObserver(Protocol):
-    """Hooks the engine thread calls; the metrics layer implements them."""
+class EngineObserver(Protocol):
+    """Hooks the event loop calls with what the engine process reports (metrics)."""
 
-    def on_ready(self, engine: Any) -> None: ...
-    def on_add(self, request_id: str, arrival_time: float) -> None: ...
-    def on_abort(self, request_id: str) -> None: ...
-    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None: ...
-    def on_stats(self, stats: Any) -> None: ...
+    def on_ready(self, info: EngineInfo, stats: Any) -> None: ...
+    def on_stats(self, stats: Any, timings: StepTimings | None) -> None: ...
 
 
 class _Stream:
-    __slots__ = ("event", "latest", "error", "aborted", "abort_sent")
+    __slots__ = ("items", "waiter", "error", "aborted", "abort_sent")
 
     def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.latest: RequestOutput | None = None
+        self.items: deque[tuple[bool, list[tuple]]] = deque()
+        self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
         self.aborted = False
         self.abort_sent = False
 
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-def _default_engine_factory(config: EngineConfig) -> Any:
-    from inference.llm_engine import LLMEngine
 
-    return LLMEngine(config)
+def _delta_output(request_id: str, finished: bool, completions: list[tuple]) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[
+            CompletionOutput(index, text, token_ids, cumulative, logprobs, finish, stop)
+            for index, token_ids, text, logprobs, cumulative, finish, stop in completions
+        ],
+        finished=finished,
+    )
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+    if path is None or not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class AsyncLLMEngine:
@@ -80,54 +119,79 @@ class AsyncLLMEngine:
         config: EngineConfig,
         *,
         max_queue_len: int | None = None,
-        observer: StepObserver | None = None,
-        engine_factory: Callable[[EngineConfig], Any] = _default_engine_factory,
+        observer: EngineObserver | None = None,
+        engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
         heartbeat_timeout_s: float = 120.0,
-        idle_wait_s: float = 0.5,
     ) -> None:
         if max_queue_len is not None and max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
         self._config = config
         self.max_queue_len = max_queue_len
         self.observer = observer
-        self._engine_factory = engine_factory
+        self._engine_factory = engine_factory  # runs in the engine process: must pickle
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._idle_wait_s = idle_wait_s
 
-        self._engine: Any = None
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: list[tuple[str, str, Any]] = []
-        self._inbox_lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._ready = threading.Event()
-        self._stop_requested = False
-        self._heartbeat = time.monotonic()
-        self._dead: BaseException | None = None
+        self._process: Any = None
+        self._commands: Any = None  # Connection to the engine process
+        self._outputs: Any = None  # Connection from the engine process
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._process_lock = threading.Lock()
+        self._info: EngineInfo | None = None
+        self._tokenizer: Any = None
+        self._ready = False
+        self._stopping = False
         self._accepting = True
+        self._dead: EngineDeadError | None = None
+        self._last_message = time.monotonic()
         self._streams: dict[str, _Stream] = {}
-        # Adds submitted by the event loop vs. adds the engine thread has taken, paired with
-        # the stats taken after them: their difference is the queue the stats cannot see yet.
+        # Adds submitted here vs. adds the engine process has taken, paired with the stats
+        # taken after them: their difference is the queue the stats cannot see yet.
         self._num_submitted_adds = 0
-        self._num_drained_adds = 0
         self._snapshot: tuple[Any, int] | None = None
 
     # ----- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; it loads the model in the background. Call from the
+        """Start the engine process; it loads the model in the background. Call from the
         event loop that will consume the outputs."""
-        if self._thread is not None:
+        if self._process is not None:
             raise RuntimeError("AsyncLLMEngine already started")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
-        self._thread.start()
+        context = multiprocessing.get_context("spawn")
+        commands_in, self._commands = context.Pipe(duplex=False)
+        self._outputs, outputs_out = context.Pipe(duplex=False)
+        for connection in (self._commands, self._outputs):
+            _grow_pipe(connection)
+        self._process = context.Process(
+            target=run_engine_core,
+            args=(
+                self._config, commands_in, outputs_out, self._engine_factory,
+                logging.getLogger().getEffectiveLevel(),
+            ),
+            name="pagoda-engine-core",
+            daemon=False,  # the engine may spawn tensor-parallel workers of its own
+        )  # fmt: skip
+        self._process.start()
+        # Only the child holds these ends now: its exit closes our pipe (EOF), and ours its.
+        commands_in.close()
+        outputs_out.close()
+        self._last_message = time.monotonic()
+        for target, name in (
+            (self._read_loop, "engine-reader"),
+            (self._send_loop, "engine-sender"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        atexit.register(self._stop_process)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._ready.is_set():
+        while not self._ready:
             if self._dead is not None:
-                raise EngineDeadError(f"engine failed to start: {self._dead!r}") from self._dead
+                raise EngineDeadError(str(self._dead))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("engine did not become ready in time")
             await asyncio.sleep(0.05)
@@ -137,52 +201,91 @@ class AsyncLLMEngine:
         self._accepting = False
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Drain in-flight requests for up to ``grace_s``, abort the rest, stop the thread."""
+        """Drain in-flight requests for up to ``grace_s``, abort the rest, stop the engine
+        process (and wait for it to exit)."""
         self.begin_drain()
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline and self._dead is None:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._stop_requested = True
-        self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+        await asyncio.to_thread(self._stop_process)
+
+    def _stop_process(self) -> None:
+        """Ask the engine process to stop; terminate it if it does not. Idempotent."""
+        process = self._process
+        if process is None or self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self._stop_process)
+        self._outbox.put(("shutdown",))
+        self._outbox.put(None)  # the sender thread's stop sign
+        if not self._wait_exit(_STOP_TIMEOUT_S):
+            for kill in (process.terminate, process.kill):
+                logger.warning("engine process %s did not stop; %s", process.pid, kill.__name__)
+                with self._process_lock:
+                    if process.is_alive():
+                        kill()
+                if self._wait_exit(5.0):
+                    break
+        for thread in self._threads:
+            thread.join(5.0)
+        self._commands.close()
+        self._outputs.close()
 
     # ----- state -----------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._accepting and self._dead is None
+        return self._ready and self._accepting and self._dead is None
 
     @property
     def loaded(self) -> bool:
-        return self._ready.is_set()
+        return self._ready
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the engine is unhealthy, or None if it is fine."""
+        if self._dead is not None:
+            return str(self._dead)
+        if self._process is None:
+            return "the engine has not been started"
+        with self._process_lock:
+            alive = self._process.is_alive()
+        if not alive:
+            return "the engine process is not running"
+        silent_s = time.monotonic() - self._last_message
+        if self._ready and silent_s > self._heartbeat_timeout_s:
+            return f"the engine process has not reported for {silent_s:.0f} s"
+        return None
 
     @property
     def healthy(self) -> bool:
-        if self._dead is not None or self._thread is None or not self._thread.is_alive():
-            return False
-        if not self._ready.is_set():
-            return True  # loading: the thread is alive, which is all we can know
-        return time.monotonic() - self._heartbeat < self._heartbeat_timeout_s
+        return self.health_problem is None
 
     @property
     def failure(self) -> BaseException | None:
-        """Why the engine thread stopped, if it failed."""
+        """Why the engine stopped, if it failed."""
         return self._dead
 
     @property
-    def engine(self) -> Any:
-        """The engine object, for read-only attributes (tokenizer, config). Never call its
-        methods from outside the engine thread."""
-        if self._engine is None:
+    def engine(self) -> EngineInfo:
+        """What the engine process reported about itself (config, model name, tokenizer)."""
+        if self._info is None:
             raise EngineNotReadyError("the model is still loading")
-        return self._engine
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     @property
     def config(self) -> EngineConfig:
-        return self._engine.config if self._engine is not None else self._config
+        return self._info.config if self._info is not None else self._config
 
     @property
     def stats(self) -> Any:
@@ -208,8 +311,8 @@ class AsyncLLMEngine:
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine stopped: {self._dead!r}")
-        if not self._ready.is_set():
+            raise EngineDeadError(str(self._dead))
+        if not self._ready:
             raise EngineNotReadyError("the model is still loading")
         if not self._accepting:
             raise EngineNotReadyError("the server is shutting down")
@@ -224,10 +327,14 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        *,
+        delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as they are produced; the last one has
-        ``finished`` set. Closing the iterator early (client gone, task cancelled) aborts
-        the request and frees its KV blocks."""
+        """Yield one output per engine step that produced something for the request; the
+        last one has ``finished`` set. With ``delta`` each output holds only the new token
+        ids, text and logprobs (and only the completions that changed); otherwise the
+        cumulative output so far. Closing the iterator early (client gone, task cancelled)
+        aborts the request and frees its KV blocks."""
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
@@ -236,138 +343,198 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_submitted_adds += 1
         arrival = arrival_time if arrival_time is not None else time.time()
-        self._submit(("add", request_id, (prompt, params, arrival)))
+        self._submit(("add", request_id, prompt, params, arrival))
+        accumulator = None
+        if not delta:
+            prompt_ids = list(prompt) if not isinstance(prompt, str) else []
+            text = prompt if isinstance(prompt, str) else None
+            accumulator = OutputAccumulator(request_id, text, prompt_ids)
+        loop = self._loop
+        assert loop is not None
         finished = False
         try:
+            items = stream.items
             while True:
-                await stream.event.wait()
-                stream.event.clear()
-                if stream.error is not None:
-                    raise stream.error
-                output, stream.latest = stream.latest, None
-                if output is not None:
-                    finished = output.finished
-                    yield output
-                    if finished:
-                        return
-                elif stream.aborted:
-                    raise RequestAbortedError(request_id)
+                while not items:
+                    if stream.error is not None:
+                        raise stream.error
+                    if stream.aborted:
+                        raise RequestAbortedError(request_id)
+                    stream.waiter = loop.create_future()
+                    try:
+                        await stream.waiter
+                    finally:
+                        stream.waiter = None
+                finished, completions = items.popleft()
+                output = _delta_output(request_id, finished, completions)
+                if accumulator is not None:
+                    accumulator.add(output)
+                    output = accumulator.output()
+                yield output
+                if finished:
+                    return
         finally:
             self._streams.pop(request_id, None)
             if not finished and stream.error is None and not stream.abort_sent:
                 stream.abort_sent = True
-                self._submit(("abort", request_id, None))
+                self._submit(("abort", [request_id]))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from the event loop; its generator raises RequestAbortedError."""
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.aborted = True
-            stream.event.set()
+            stream.wake()
             if stream.abort_sent:
                 return
             stream.abort_sent = True
-        self._submit(("abort", request_id, None))
+        self._submit(("abort", [request_id]))
 
-    def _submit(self, item: tuple[str, str, Any]) -> None:
-        with self._inbox_lock:
-            self._inbox.append(item)
-        self._wakeup.set()
+    def _submit(self, command: tuple) -> None:
+        if not self._stopping:
+            self._outbox.put(command)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    # ----- messages from the engine process (event loop side) --------------------------
+
+    def _on_messages(self, messages: list[tuple]) -> None:
+        self._last_message = time.monotonic()
+        for message in messages:
+            kind = message[0]
+            if kind == "step":
+                self._on_step(message)
+            elif kind == "stats":
+                _, stats, num_adds, timings = message
+                self._snapshot = (stats, num_adds)
+                if self.observer is not None:
+                    self.observer.on_stats(stats, timings)
+            elif kind == "error":
+                _, request_id, type_name, text = message
+                error = ValueError(text) if type_name == "ValueError" else RuntimeError(text)
+                self._fail(request_id, error)
+            elif kind == "ready":
+                self._on_ready(message[1], message[2], message[3])
+            elif kind == "dead":
+                self._die(message[1])
+
+    def _on_step(self, message: tuple) -> None:
+        _, _now, stats, num_adds, outputs, timings = message
+        self._snapshot = (stats, num_adds)
+        if self.observer is not None:
+            self.observer.on_stats(stats, timings)
         streams = self._streams
-        for output in outputs:
-            stream = streams.get(output.request_id)
+        for request_id, finished, completions in outputs:
+            stream = streams.get(request_id)
             if stream is not None:
-                stream.latest = output
-                stream.event.set()
+                stream.items.append((finished, completions))
+                stream.wake()
+
+    def _on_ready(self, info: EngineInfo, stats: Any, num_adds: int) -> None:
+        info.tokenizer = self._tokenizer
+        self._info = info
+        self._snapshot = (stats, num_adds)
+        if self.observer is not None:
+            self.observer.on_ready(info, stats)
+        self._ready = True
+        logger.info("engine ready: %s (engine process %d)", info.model_name, info.pid)
+
+    def _on_exit(self, exit_code: int | None) -> None:
+        if self._dead is None and not self._stopping:
+            self._die(f"the engine process exited unexpectedly (exit code {exit_code})")
+        else:
+            self._fail_all(str(self._dead or "the engine process stopped"))
+
+    def _die(self, reason: str) -> None:
+        if self._dead is None:
+            logger.error("engine failed: %s", reason)
+            self._dead = EngineDeadError(reason)
+        self._fail_all(str(self._dead))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is not None and not stream.aborted:
             stream.error = error
-            stream.event.set()
+            stream.wake()
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, reason: str) -> None:
         for request_id in list(self._streams):
-            self._fail(request_id, error)
+            self._fail(request_id, EngineDeadError(reason))
 
-    # ----- engine thread ---------------------------------------------------------------
+    # ----- threads ---------------------------------------------------------------------
 
-    def _thread_main(self) -> None:
+    def _post(self, callback: Callable[..., None], *args: Any) -> bool:
+        loop = self._loop
         try:
-            engine = self._engine_factory(self._config)
-            self._engine = engine
-            self._warm_up(engine)
-            if self.observer is not None:
-                self.observer.on_ready(engine)
-            self._snapshot = (engine.stats(), self._num_drained_adds)
-            self._heartbeat = time.monotonic()
-            self._ready.set()
-            logger.info("engine ready: %s", getattr(engine, "model_name", self._config.model))
-            self._run_loop(engine)
-        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
-            logger.exception("engine loop failed")
-            self._dead = exc
-            if self._loop is not None and not self._loop.is_closed():
-                dead = EngineDeadError(f"engine failed: {exc!r}")
-                self._loop.call_soon_threadsafe(self._fail_all, dead)
+            loop.call_soon_threadsafe(callback, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return False
+        return True
 
-    def _warm_up(self, engine: Any) -> None:
-        """One short request through the whole path, so the first client does not pay for
-        lazy initialisation (kernel compilation, allocator growth, CUDA graph capture)."""
-        request_id = f"warmup-{uuid.uuid4().hex}"
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        engine.add_request(request_id, "Hello, warm-up.", params)
-        for _ in range(_WARMUP_MAX_STEPS):
-            if not engine.has_unfinished_requests():
-                return
-            engine.step()
-        raise RuntimeError("warm-up request did not finish")
-
-    def _run_loop(self, engine: Any) -> None:
-        observer = self.observer
-        loop = self._loop
-        assert loop is not None
-        while not self._stop_requested:
-            self._heartbeat = time.monotonic()
-            self._wakeup.clear()
-            changed = self._drain_inbox(engine)
-            if not engine.has_unfinished_requests():
-                if changed:
-                    stats = engine.stats()
-                    self._snapshot = (stats, self._num_drained_adds)
-                    if observer is not None:
-                        observer.on_stats(stats)
-                self._wakeup.wait(self._idle_wait_s)
-                continue
-            outputs = engine.step()
-            stats = engine.stats()
-            self._snapshot = (stats, self._num_drained_adds)
-            if observer is not None:
-                observer.on_step(outputs, stats, time.time())
-            if outputs and not loop.is_closed():
-                loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _drain_inbox(self, engine: Any) -> bool:
-        with self._inbox_lock:
-            items, self._inbox = self._inbox, []
-        observer = self.observer
-        loop = self._loop
-        assert loop is not None
-        for kind, request_id, payload in items:
-            if kind == "abort":
-                engine.abort_request(request_id)
-                if observer is not None:
-                    observer.on_abort(request_id)
-                continue
-            self._num_drained_adds += 1
-            prompt, params, arrival = payload
+    def _read_loop(self) -> None:
+        """Reader thread: messages off the pipe as soon as they arrive, to the loop in one
+        callback per batch; the tokenizer loads here while the engine loads weights."""
+        connection = self._outputs
+        closed = False
+        while not closed:
+            messages: list[tuple] = []
             try:
-                engine.add_request(request_id, prompt, params, arrival_time=arrival)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                loop.call_soon_threadsafe(self._fail, request_id, exc)
-                continue
-            if observer is not None:
-                observer.on_add(request_id, arrival)
-        return bool(items)
+                messages.extend(connection.recv())
+                while len(messages) < 256 and connection.poll():
+                    messages.extend(connection.recv())
+            except (EOFError, OSError):
+                closed = True  # the engine process exited: deliver what it said last
+            for message in messages:
+                if message[0] == "resolved":
+                    messages = self._load_tokenizer(message[1], messages)
+            if messages and not self._post(self._on_messages, messages):
+                return
+        self._wait_exit(1.0)
+        with self._process_lock:
+            exit_code = self._process.exitcode
+        self._post(self._on_exit, exit_code)
+
+    def _wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the engine process to exit; True if it has. Reaping
+        happens under a lock: two threads reaping one child race (one sees ECHILD)."""
+        process = self._process
+        multiprocessing.connection.wait([process.sentinel], timeout)
+        with self._process_lock:
+            return not process.is_alive()
+
+    def _load_tokenizer(self, path: str, messages: list[tuple]) -> list[tuple]:
+        try:
+            self._tokenizer = load_tokenizer(path)
+        except Exception as exc:  # noqa: BLE001 - reported as the engine's death
+            logger.exception("cannot load the tokenizer from %s", path)
+            self._outbox.put(("shutdown",))
+            return [*messages, ("dead", f"cannot load the tokenizer from {path}: {exc}")]
+        return messages
+
+    def _send_loop(self) -> None:
+        """Sender thread: commands to the engine process, batched, off the event loop."""
+        outbox = self._outbox
+        connection = self._commands
+        while True:
+            batch = [outbox.get()]
+            while True:
+                try:
+                    batch.append(outbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            commands = [command for command in batch if command is not None]
+            if commands:
+                try:
+                    connection.send(commands)
+                except (OSError, EOFError, ValueError):
+                    return  # the engine process is gone; the reader reports it
+            if stop:
+                return
+
+
+def _grow_pipe(connection: Any) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(connection.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+    except (ImportError, OSError):
+        pass  # not Linux, or above the system's pipe-max-size: the default still works

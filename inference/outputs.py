@@ -50,3 +50,64 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+
+
+class OutputAccumulator:
+    """Builds a request's cumulative output from the per-step deltas the engine process
+    sends (new token ids, new text, new logprobs), in amortised O(new) per step; a
+    cumulative ``RequestOutput`` is materialised only when asked for."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "_completions")
+
+    def __init__(
+        self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids or []
+        self.finished = False
+        # index -> [text pieces, token ids, logprobs or None, cumulative logprob, finish, stop]
+        self._completions: dict[int, list] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            entry = self._completions.get(c.index)
+            if entry is None:
+                entry = self._completions[c.index] = [[], [], None, None, None, None]
+            if c.text:
+                entry[0].append(c.text)
+            entry[1].extend(c.token_ids)
+            if c.logprobs is not None:
+                if entry[2] is None:
+                    entry[2] = []
+                entry[2].extend(c.logprobs)
+            entry[3] = c.cumulative_logprob
+            entry[4] = c.finish_reason
+            entry[5] = c.stop_reason
+        self.finished = self.finished or delta.finished
+
+    def output(self) -> RequestOutput:
+        completions = []
+        for index in sorted(self._completions):
+            pieces, token_ids, logprobs, cumulative, finish, stop = self._completions[index]
+            text = "".join(pieces)
+            if len(pieces) > 1:
+                pieces[:] = [text]
+            completions.append(
+                CompletionOutput(
+                    index,
+                    text,
+                    list(token_ids),
+                    cumulative,
+                    list(logprobs) if logprobs is not None else None,
+                    finish,
+                    stop,
+                )  # fmt: skip
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+        )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The serving benchmark on the GPU machine: our server on the Qwen2.5-1.5B shape (random
-# weights), 512 requests of 512 in / 128 out at 32 req/s, then all 512 at once.
+# weights), 512 requests of 512 in / 128 out at 32 req/s, then all 512 at once. The server
+# runs the engine in a child process (inference/engine_core.py); it must exit with it.
 # Needs fastapi/uvicorn/pydantic wheels in .whl when the machine lacks them.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -10,7 +11,7 @@ if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/nul
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 PORT=8011
-python3 -m inference.cli serve qwen2.5-1.5b --host 127.0.0.1 --port $PORT \
+python3 -m inference.cli serve qwen2.5-1.5b --load-format dummy --host 127.0.0.1 --port $PORT \
   --disable-uvicorn-access-log --max-model-len 1024 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 180); do
@@ -24,3 +25,7 @@ for rate in 32 inf; do
     --output-json "$OUT/serve_qwen2.5-1.5b_rate${rate}.json" 2>&1 | tail -14
 done
 kill -TERM $SERVER; wait $SERVER; echo "server exit code $?"
+sleep 1
+if pgrep -f "multiprocessing.spawn import spawn_main" >/dev/null 2>&1; then
+  echo "WARNING: an engine process outlived the server"; pgrep -af "spawn_main"
+fi

@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI routes, tokenizer routes, probes and metrics.
 
-``build_app`` wires an AsyncLLMEngine into routes; the lifespan starts the engine thread
+``build_app`` wires an AsyncLLMEngine into routes; the lifespan starts the engine process
 (the model loads in the background so /health answers at once and /ready tells the truth)
 and, on shutdown, drains in-flight requests for the grace period before stopping it.
 """
@@ -133,10 +133,11 @@ def _add_tokenizer_routes(app: FastAPI, chat: ChatServing) -> None:
 def _add_probes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health() -> Response:
-        """Liveness: the process answers and the engine loop is alive."""
-        if engine.healthy:
+        """Liveness: the server answers and the engine process is alive and reporting."""
+        problem = engine.health_problem
+        if problem is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -13,12 +13,13 @@ from starlette.responses import Response
 
 from inference.outputs import CompletionOutput, RequestOutput
 from inference.server.completions import (
+    DONE,
     SSE_HEADERS,
-    _collect,
+    ChunkEnvelope,
+    choice_end,
     chunk_payload,
+    dumps,
     sse,
-    stop_holdback,
-    stream_end,
 )
 from inference.server.errors import APIError, error_body
 from inference.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
@@ -27,11 +28,13 @@ from inference.server.serving import (
     OpenAIServing,
     PreparedPrompt,
     clamp_logprob,
+    collect,
     engine_error,
     token_text,
     top_logprobs,
     until_disconnected,
     usage,
+    usage_counts,
 )
 
 
@@ -115,7 +118,7 @@ class ChatServing(OpenAIServing):
                 view.stream(first[1], stream), media_type="text/event-stream", headers=SSE_HEADERS
             )
         try:
-            finals = await until_disconnected(raw, _collect(first, stream))
+            finals = await until_disconnected(raw, collect(first, stream))
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as exc:
@@ -137,7 +140,6 @@ class _ChatView:
         self.request_id = request_id
         self.created = int(time.time())
         self.model = serving.model_name
-        self.holdback = stop_holdback(req.stop, req.include_stop_str_in_output)
         options = req.stream_options
         self.include_usage = bool(options and options.include_usage)
         last = req.messages[-1]
@@ -198,6 +200,7 @@ class _ChatView:
     async def stream(
         self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[str]:
+        """The role chunk, then one chunk per engine step that produced something."""
         # OpenAI opens every choice with the role before any content.
         yield sse(
             self.chunk(
@@ -212,17 +215,21 @@ class _ChatView:
                 ]
             )
         )
-        sent_chars = [0] * self.req.n
-        sent_tokens = [0] * self.req.n
-        finished = [False] * self.req.n
-        final = first
+        envelope = ChunkEnvelope(self, "chat.completion.chunk")
+        num_tokens = 0
         try:
             output: RequestOutput | None = first
             while output is not None:
-                final = output
-                choices = self._delta_choices(output, sent_chars, sent_tokens, finished)
+                choices = []
+                for c in output.outputs:
+                    num_tokens += len(c.token_ids)
+                    content = f'{{"content":{dumps(c.text)}}}' if c.text else "{}"
+                    choices.append(
+                        f'{{"index":{c.index},"delta":{content}'
+                        + choice_end(self.logprobs(c, 0), c.finish_reason, c.stop_reason)
+                    )
                 if choices:
-                    yield sse(self.chunk(choices))
+                    yield envelope.render(choices)
                 item = await anext(rest, None)
                 output = item[1] if item is not None else None
         except Exception as exc:
@@ -232,37 +239,6 @@ class _ChatView:
             await rest.aclose()  # type: ignore[attr-defined]
         if self.include_usage:
             payload = self.chunk([])
-            payload["usage"] = usage([self.prompt], {0: final})
+            payload["usage"] = usage_counts([self.prompt], num_tokens)
             yield sse(payload)
-        yield "data: [DONE]\n\n"
-
-    def _delta_choices(
-        self,
-        output: RequestOutput,
-        sent_chars: list[int],
-        sent_tokens: list[int],
-        finished: list[bool],
-    ) -> list[dict[str, Any]]:
-        choices = []
-        for c in output.outputs:
-            i = c.index
-            if finished[i]:
-                continue
-            delta = c.text[sent_chars[i] : stream_end(c, self.holdback)]
-            new_tokens = len(c.token_ids) > sent_tokens[i]
-            if not (delta or new_tokens or c.finish_reason):
-                continue
-            start = sent_tokens[i]
-            sent_chars[i] += len(delta)
-            sent_tokens[i] = len(c.token_ids)
-            finished[i] = c.finish_reason is not None
-            choices.append(
-                {
-                    "index": i,
-                    "delta": {"content": delta} if delta else {},
-                    "logprobs": self.logprobs(c, start),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        return choices
+        yield DONE

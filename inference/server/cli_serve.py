@@ -2,7 +2,7 @@
 
 Shutdown: on SIGTERM uvicorn closes the listening socket, lets in-flight responses finish
 for ``--shutdown-grace-seconds`` (then cancels them, which aborts their engine requests),
-and runs the app's lifespan shutdown, which stops the engine thread. The process then exits
+and runs the app's lifespan shutdown, which stops the engine process. The process then exits
 0: uvicorn re-raises the signal it caught once it is done, so we keep a no-op handler
 installed underneath it instead of the default one that would kill us with status 143.
 """
@@ -183,9 +183,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 1:
         print("error: --max-queue-len must be >= 1", file=sys.stderr)
         return 2
-    # The engine thread and the event loop share the GIL. When the engine thread wakes up
-    # (its GPU step done) while the event loop is busy writing streams, it waits up to one
-    # switch interval for the GIL: CPython's default of 5 ms would exceed a whole decode step.
+    # The engine runs in its own process, but the thread that reads its step messages shares
+    # the GIL with the event loop: when it wakes up while the loop is busy writing streams,
+    # it waits up to one switch interval, and CPython's default of 5 ms exceeds a decode step.
     sys.setswitchinterval(0.001)
     names = served_names(args)
     try:

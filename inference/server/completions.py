@@ -19,30 +19,23 @@ from inference.server.serving import (
     OpenAIServing,
     PreparedPrompt,
     clamp_logprob,
+    collect,
     engine_error,
     token_text,
     top_logprobs,
     until_disconnected,
     usage,
+    usage_counts,
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
 
-
-def stop_holdback(stop: str | list[str] | None, include_stop: bool) -> int:
-    """Characters to hold back while streaming: a stop string may be arriving a token at a
-    time, and its first characters must not reach the client before the engine cuts them."""
-    if not stop or include_stop:
-        return 0
-    stops = [stop] if isinstance(stop, str) else stop
-    return max((len(s) for s in stops), default=1) - 1
-
-
-def stream_end(completion: CompletionOutput, holdback: int) -> int:
-    """How much of the completion's text may be streamed now."""
-    if completion.finish_reason is not None or holdback == 0:
-        return len(completion.text)
-    return max(0, len(completion.text) - holdback)
+# For strings, JSONEncoder.encode goes straight to the C escaper: the per-token cost of a
+# chunk is this call plus string concatenation, with no dict or model built per token.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+dumps = _ENCODER.encode
+_NULLS = ',"logprobs":null,"finish_reason":null,"stop_reason":null}'
 
 
 def chunk_payload(view: Any, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -60,8 +53,35 @@ def chunk_payload(view: Any, object_name: str, choices: list[dict[str, Any]]) ->
     return payload
 
 
+class ChunkEnvelope:
+    """``chunk_payload`` pre-serialised around its choices: a step's chunk is the head,
+    the choices' JSON fragments and the tail, byte for byte what ``sse(chunk_payload(...))``
+    gives."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, view: Any, object_name: str) -> None:
+        envelope = dumps(chunk_payload(view, object_name, []))
+        usage = ',"usage":null' if view.include_usage else ""
+        self.head = "data: " + envelope.removesuffix('"choices":[]' + usage + "}") + '"choices":['
+        self.tail = "]" + usage + "}\n\n"
+
+    def render(self, choices: list[str]) -> str:
+        return self.head + ",".join(choices) + self.tail
+
+
+def choice_end(logprobs: dict[str, Any] | None, finish_reason: str | None, stop_reason) -> str:
+    """A streamed choice's last three fields and closing brace."""
+    if logprobs is None and finish_reason is None and stop_reason is None:
+        return _NULLS
+    return (
+        f',"logprobs":{dumps(logprobs)},"finish_reason":{dumps(finish_reason)},'
+        f'"stop_reason":{dumps(stop_reason)}}}'
+    )
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {dumps(payload)}\n\n"
 
 
 class CompletionServing(OpenAIServing):
@@ -111,21 +131,12 @@ class CompletionServing(OpenAIServing):
                 view.stream(first, stream), media_type="text/event-stream", headers=SSE_HEADERS
             )
         try:
-            finals = await until_disconnected(raw, _collect(first, stream))
+            finals = await until_disconnected(raw, collect(first, stream))
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as exc:
             raise engine_error(exc) or exc from exc
         return JSONResponse(view.full_response(finals))
-
-
-async def _collect(
-    first: tuple[int, RequestOutput], stream: AsyncIterator[tuple[int, RequestOutput]]
-) -> dict[int, RequestOutput]:
-    finals = {first[0]: first[1]}
-    async for index, output in stream:
-        finals[index] = output
-    return finals
 
 
 class _CompletionView:
@@ -144,7 +155,6 @@ class _CompletionView:
         self.request_id = request_id
         self.created = int(time.time())
         self.model = serving.model_name
-        self.holdback = stop_holdback(req.stop, req.include_stop_str_in_output)
 
     def prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
@@ -218,20 +228,19 @@ class _CompletionView:
         first: tuple[int, RequestOutput],
         rest: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[str]:
+        """One chunk per engine step that produced something, from the engine's deltas."""
+        envelope = ChunkEnvelope(self, "text_completion")
         sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        finals: dict[int, RequestOutput] = {}
-        finished: set[int] = set()
+        num_tokens = 0
         try:
             pending: tuple[int, RequestOutput] | None = first
             while pending is not None:
                 prompt_index, output = pending
-                finals[prompt_index] = output
-                choices = self._delta_choices(
-                    prompt_index, output, sent_chars, sent_tokens, finished
-                )
+                choices = self._delta_choices(prompt_index, output, sent_chars)
+                for completion in output.outputs:
+                    num_tokens += len(completion.token_ids)
                 if choices:
-                    yield sse(self.chunk(choices))
+                    yield envelope.render(choices)
                 pending = await anext(rest, None)
         except Exception as exc:
             error = engine_error(exc) or APIError(500, f"internal error: {type(exc).__name__}")
@@ -240,45 +249,30 @@ class _CompletionView:
             await rest.aclose()  # type: ignore[attr-defined]
         if self.include_usage:
             payload = self.chunk([])
-            payload["usage"] = usage(self.prompts, finals)
+            payload["usage"] = usage_counts(self.prompts, num_tokens)
             yield sse(payload)
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     def _delta_choices(
-        self,
-        prompt_index: int,
-        output: RequestOutput,
-        sent_chars: dict[int, int],
-        sent_tokens: dict[int, int],
-        finished: set[int],
-    ) -> list[dict[str, Any]]:
+        self, prompt_index: int, output: RequestOutput, sent_chars: dict[int, int]
+    ) -> list[str]:
+        # The engine sends a completion only when it has new tokens, new text or its finish
+        # reason: a token that adds no text yet (half a UTF-8 character) still gets its
+        # chunk, as in vLLM: clients count tokens by chunks.
         choices = []
+        n = self.req.n
         for completion in output.outputs:
-            index = prompt_index * self.req.n + completion.index
-            if index in finished:
-                continue
-            first_chunk = index not in sent_tokens
-            start_chars = sent_chars.get(index, 0)
-            start_tokens = sent_tokens.get(index, 0)
-            end = stream_end(completion, self.holdback)
-            delta = completion.text[start_chars:end]
-            # A token that adds no text yet (half a UTF-8 character, an id the tokenizer
-            # cannot render) still gets its chunk, as in vLLM: clients count tokens by chunks.
-            new_tokens = len(completion.token_ids) > start_tokens
-            if not (delta or new_tokens or completion.finish_reason):
-                continue
-            prefix = self.prompt_text(prompt_index) if first_chunk and self.req.echo else ""
-            if completion.finish_reason:
-                finished.add(index)
-            sent_chars[index] = max(start_chars, start_chars + len(delta))
-            sent_tokens[index] = len(completion.token_ids)
+            index = prompt_index * n + completion.index
+            start_chars = sent_chars.get(index)
+            text = completion.text
+            if start_chars is None:
+                start_chars = 0
+                if self.req.echo:
+                    text = self.prompt_text(prompt_index) + text
+            sent_chars[index] = start_chars + len(completion.text)
+            logprobs = self.logprobs(completion, 0, start_chars)
             choices.append(
-                {
-                    "index": index,
-                    "text": prefix + delta,
-                    "logprobs": self.logprobs(completion, start_tokens, start_chars),
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                }
+                f'{{"index":{index},"text":{dumps(text)}'
+                + choice_end(logprobs, completion.finish_reason, completion.stop_reason)
             )
         return choices

@@ -1,15 +1,17 @@
 """Prometheus metrics under vLLM's names and labels.
 
 Dashboards, KEDA triggers and inference gateways in the wild read ``vllm:*`` series with a
-``model_name`` label, so we export exactly those. Everything here runs on the engine thread
-(the ``StepObserver`` hooks of AsyncLLMEngine): gauges are refreshed from ``engine.stats()``
-after every step, counters advance by the deltas of the engine's running totals, and the
-per-request histograms are fed from timestamps taken right after each step.
+``model_name`` label, so we export exactly those. The data comes from the engine process
+(``inference/engine_core.py``) with every step: gauges are refreshed from the engine's stats
+taken after the step, counters advance by the deltas of the engine's running totals, and
+the per-request histograms take the latencies the engine process measured right after each
+step (TTFT, inter-token, end-to-end, queue) and its finish reasons. The hooks run on the
+event loop, once per step message, not once per request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import (
@@ -21,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from inference.outputs import RequestOutput
+from inference.engine_core import StepTimings
 
 # vLLM exports no `*_created` series; dashboards and recording rules do not expect them.
 disable_created_metrics()
@@ -50,14 +52,6 @@ _TOTALS = {
     "prefix_cache_queries_total": "prefix_cache_queries",
     "prefix_cache_hits_total": "prefix_cache_hits",
 }
-
-
-@dataclass
-class _RequestTiming:
-    arrival_time: float
-    num_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
 
 class ServerMetrics:
@@ -126,7 +120,6 @@ class ServerMetrics:
         )
         self._engine_info, self._cache_info = self._info_gauges()
         self._last_totals: dict[str, float] = {}
-        self._timings: dict[str, _RequestTiming] = {}
 
     def _info_gauges(self) -> tuple[Gauge, Gauge]:
         """Settings as labels: the operator and dashboards read the live configuration."""
@@ -154,11 +147,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # ----- StepObserver hooks (engine thread) -------------------------------------------
+    # ----- EngineObserver hooks (event loop, with what the engine process reports) ------
 
-    def on_ready(self, engine: Any) -> None:
-        config = engine.config
-        num_blocks = str(getattr(engine, "num_total_blocks", ""))
+    def on_ready(self, info: Any, stats: Any) -> None:
+        config = info.config
+        num_blocks = "" if info.num_total_blocks is None else str(info.num_total_blocks)
         self._engine_info.labels(
             model_name=self.model_name,
             max_num_seqs=str(config.max_num_seqs),
@@ -170,8 +163,8 @@ class ServerMetrics:
             num_kv_blocks=num_blocks,
             enable_prefix_caching=str(config.enable_prefix_caching),
             # The resolved values ("auto" says nothing about what is running).
-            dtype=str(getattr(engine, "dtype", config.dtype)).removeprefix("torch."),
-            device=str(getattr(engine, "device", config.device)),
+            dtype=info.dtype,
+            device=info.device,
         ).set(1)
         self._cache_info.labels(
             model_name=self.model_name,
@@ -181,18 +174,10 @@ class ServerMetrics:
             enable_prefix_caching=str(config.enable_prefix_caching),
         ).set(1)
         # The warm-up request is not traffic: counters start from the engine's totals now.
-        stats = engine.stats()
         self._last_totals = {field: getattr(stats, field) for field in _TOTALS}
-        self.on_stats(stats)
+        self.on_stats(stats, None)
 
-    def on_add(self, request_id: str, arrival_time: float) -> None:
-        self._timings[request_id] = _RequestTiming(arrival_time)
-
-    def on_abort(self, request_id: str) -> None:
-        if self._timings.pop(request_id, None) is not None:
-            self.request_success["abort"].inc()
-
-    def on_stats(self, stats: Any) -> None:
+    def on_stats(self, stats: Any, timings: StepTimings | None) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
@@ -202,33 +187,34 @@ class ServerMetrics:
             if delta > 0:
                 self.counters[name].inc(delta)
             self._last_totals[field] = value
-
-    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
-        self.on_stats(stats)
-        for output in outputs:
-            timing = self._timings.get(output.request_id)
-            if timing is not None:
-                self._observe(output, timing, now)
-
-    def _observe(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
-        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-        if num_tokens > timing.num_tokens:
-            if timing.first_token_time is None:
-                timing.first_token_time = now
-                self.ttft.observe(max(0.0, now - timing.arrival_time))
-            else:
-                self.itl.observe(now - (timing.last_token_time or now))
-            timing.last_token_time = now
-            timing.num_tokens = num_tokens
-        if not output.finished:
+        if timings is None:
             return
-        del self._timings[output.request_id]
-        self.e2e.observe(max(0.0, now - timing.arrival_time))
-        scheduled = output.metrics.first_scheduled_time if output.metrics else None
-        if scheduled is not None:
-            self.queue_time.observe(max(0.0, scheduled - timing.arrival_time))
-        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-        reason = reasons[0] if reasons else "abort"
-        counter = self.request_success.get(reason)
-        if counter is not None:
-            counter.inc()
+        observe_many(self.ttft, timings.ttft)
+        observe_many(self.itl, timings.itl)
+        observe_many(self.e2e, timings.e2e)
+        observe_many(self.queue_time, timings.queue)
+        for reason, count in timings.finished.items():
+            counter = self.request_success.get(reason)
+            if counter is not None:
+                counter.inc(count)
+
+
+def observe_many(histogram: Any, values: list[float]) -> None:
+    """``histogram.observe`` for each value, with one lock round per touched bucket instead
+    of per value: a step of a large batch brings hundreds of inter-token latencies."""
+    if not values:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(values) < 4:
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect_left(bounds, value)
+        counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

@@ -25,7 +25,7 @@ from inference.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
-from inference.outputs import Logprob, RequestOutput
+from inference.outputs import Logprob, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
 from inference.server.errors import APIError
 from inference.server.protocol import _SamplingFields
@@ -59,7 +59,7 @@ class OpenAIServing:
     @property
     def tokenizer(self) -> Any:
         try:
-            return self.engine.engine.tokenizer
+            return self.engine.tokenizer
         except EngineNotReadyError as exc:
             raise APIError(503, str(exc)) from exc
 
@@ -84,7 +84,10 @@ class OpenAIServing:
     # ----- prompts and limits -----------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids")
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.vocab_size
@@ -96,9 +99,11 @@ class OpenAIServing:
 
     @property
     def vocab_size(self) -> int:
-        engine = self.engine.engine
-        model_config = getattr(engine, "model_config", None)
-        return int(getattr(model_config, "vocab_size", None) or len(engine.tokenizer))
+        try:
+            info = self.engine.engine
+        except EngineNotReadyError as exc:
+            raise APIError(503, str(exc)) from exc
+        return int(info.vocab_size or len(info.tokenizer))
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         limit = self.max_model_len
@@ -173,12 +178,14 @@ class OpenAIServing:
     def generate(
         self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of all prompts as ``(prompt_index, output)``, interleaved as produced."""
+        """Per-step deltas of all prompts as ``(prompt_index, output)``, interleaved as
+        produced: each output holds only what is new (``AsyncLLMEngine.generate(delta=True)``)."""
         arrival = time.time()
+        generate = self.engine.generate
         if len(prompts) == 1:
-            return _tag(self.engine.generate(prompts[0].token_ids, params, request_id, arrival))
+            return _tag(generate(prompts[0].token_ids, params, request_id, arrival, delta=True))
         streams = [
-            self.engine.generate(p.token_ids, params, f"{request_id}-{i}", arrival)
+            generate(p.token_ids, params, f"{request_id}-{i}", arrival, delta=True)
             for i, p in enumerate(prompts)
         ]
         return _merge(streams)
@@ -278,9 +285,31 @@ def engine_error(exc: BaseException) -> APIError | None:
     return None
 
 
+async def collect(
+    first: tuple[int, RequestOutput], stream: AsyncIterator[tuple[int, RequestOutput]]
+) -> dict[int, RequestOutput]:
+    """Every prompt's cumulative final output, from the per-step deltas."""
+    accumulators: dict[int, OutputAccumulator] = {}
+
+    def add(index: int, delta: RequestOutput) -> None:
+        accumulator = accumulators.get(index)
+        if accumulator is None:
+            accumulator = accumulators[index] = OutputAccumulator(delta.request_id)
+        accumulator.add(delta)
+
+    add(*first)
+    async for index, delta in stream:
+        add(index, delta)
+    return {index: accumulator.output() for index, accumulator in accumulators.items()}
+
+
 def usage(prompts: list[PreparedPrompt], outputs: dict[int, RequestOutput]) -> dict[str, int]:
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for output in outputs.values() for c in output.outputs)
+    return usage_counts(prompts, completion_tokens)
+
+
+def usage_counts(prompts: list[PreparedPrompt], completion_tokens: int) -> dict[str, int]:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -1,5 +1,6 @@
 """Real uvicorn servers for the server tests: in a thread of the test process (so tests can
-look at the engine's KV blocks) or as a `pagoda serve` subprocess (for signals)."""
+look at the engine's KV blocks, which the engine process reports) or as a `pagoda serve`
+subprocess (for signals). Either way the engine itself runs in a child process."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class ServerThread:
         api_key: str | None = None,
         max_queue_len: int | None = None,
         shutdown_grace_s: float = 5.0,
+        engine_factory=None,
         **engine_kwargs,
     ) -> None:
         import uvicorn
@@ -68,7 +70,10 @@ class ServerThread:
         names = served_model_names or [Path(model).name]
         config = EngineConfig.from_kwargs(model, served_model_name=names[0], **engine_kwargs)
         self.metrics = ServerMetrics(names[0])
-        self.engine = AsyncLLMEngine(config, max_queue_len=max_queue_len, observer=self.metrics)
+        extra = {"engine_factory": engine_factory} if engine_factory is not None else {}
+        self.engine = AsyncLLMEngine(
+            config, max_queue_len=max_queue_len, observer=self.metrics, **extra
+        )
         self.app = build_app(
             self.engine, self.metrics, names, api_key=api_key, shutdown_grace_s=shutdown_grace_s
         )
@@ -131,3 +136,62 @@ def start_subprocess_server(model: str, *args: str) -> tuple[subprocess.Popen, s
         print(proc.communicate(timeout=10)[0])
         raise
     return proc, base_url
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is ``pid``."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        time.sleep(0.05)
+    return not process_alive(pid)
+
+
+# A request with this seed makes `engine_failing_on_fault_seed`'s engine fail its third step.
+FAULT_SEED = 4242
+
+
+def engine_failing_on_fault_seed(config):
+    """Runs in the engine process: a real engine whose step() raises a few steps after a
+    request with FAULT_SEED arrives, as when a tensor-parallel worker dies mid-step."""
+    from inference.engine_core import default_engine_factory
+
+    engine = default_engine_factory(config)
+    step = engine.step
+    faulty_steps = []
+
+    def faulty_step():
+        if any(r.params.seed == FAULT_SEED for r in engine.requests.values()):
+            faulty_steps.append(1)
+            if len(faulty_steps) >= 3:
+                raise RuntimeError("worker 1 died (injected fault)")
+        return step()
+
+    engine.step = faulty_step
+    return engine

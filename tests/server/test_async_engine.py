@@ -1,9 +1,13 @@
-"""AsyncLLMEngine without HTTP: streaming, abort on close, errors, readiness, shutdown."""
+"""AsyncLLMEngine without HTTP: streaming, abort on close, errors, readiness, shutdown.
+
+The engine runs in a child process that takes seconds to start, so the tests that leave it
+usable share one, on an event loop in a background thread."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import pytest
 
@@ -29,13 +33,54 @@ def make(tiny_model, **kwargs) -> AsyncLLMEngine:
     return AsyncLLMEngine(config, **kwargs)
 
 
-def test_streams_cumulative_outputs_then_finishes(tiny_model):
-    async def scenario():
-        engine = make(tiny_model)
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model):
+    """(loop, engine): one started engine for the tests that leave it idle and healthy."""
+    loop = LoopThread()
+    engine = make(tiny_model)
+
+    async def start() -> None:
         assert not engine.ready
         engine.start()
         assert engine.healthy
         await engine.wait_ready()
+
+    loop.run(start())
+    yield loop, engine
+    loop.run(engine.shutdown(1))
+    assert not engine.ready
+    loop.close()
+
+
+async def wait_idle(engine: AsyncLLMEngine) -> None:
+    total = engine.stats.num_total_blocks
+    for _ in range(400):
+        stats = engine.stats
+        if stats.num_free_blocks == total and stats.num_running + stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"engine not idle: {engine.stats}")
+
+
+def test_streams_cumulative_outputs_then_finishes(shared):
+    loop, engine = shared
+
+    async def scenario():
         assert engine.ready and engine.healthy
         params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
         lengths = []
@@ -43,17 +88,44 @@ def test_streams_cumulative_outputs_then_finishes(tiny_model):
             lengths.append(len(output.outputs[0].token_ids))
         assert output.finished and output.outputs[0].finish_reason == "length"
         assert lengths == sorted(lengths) and lengths[-1] == 8
-        await engine.shutdown(1)
-        assert not engine.ready
+        assert len(lengths) == len(set(lengths)), "one output per step, each with a new token"
 
-    run(scenario())
+    loop.run(scenario())
 
 
-def test_closing_the_stream_aborts_and_frees_blocks(tiny_model):
+def test_deltas_add_up_and_never_show_a_cut_stop_string(shared):
+    loop, engine = shared
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+
     async def scenario():
-        engine = make(tiny_model)
-        engine.start()
-        await engine.wait_ready()
+        outputs = [o async for o in engine.generate("hi there", greedy)]
+        full = outputs[-1].outputs[0]
+        deltas = [o async for o in engine.generate("hi there", greedy, delta=True)]
+        assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * len(full.token_ids)
+        assert sum((d.outputs[0].token_ids for d in deltas), []) == full.token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == full.text
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+        # A 3-character stop string from the middle of that text: the streamed deltas must
+        # add up to the text before it, and never have shown its first characters.
+        text = full.text
+        start = next(
+            i for i in range(3, len(text) - 3)
+            if text.find(text[i : i + 3]) == i and text[i : i + 3].strip()
+        )  # fmt: skip
+        stop = text[start : start + 3]
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0, stop=[stop])
+        deltas = [o async for o in engine.generate("hi there", params, delta=True)]
+        assert "".join(d.outputs[0].text for d in deltas) == text[:start]
+        assert deltas[-1].outputs[0].finish_reason == "stop"
+        assert deltas[-1].outputs[0].stop_reason == stop
+
+    loop.run(scenario())
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(shared):
+    loop, engine = shared
+
+    async def scenario():
         total = engine.stats.num_total_blocks
         stream = engine.generate("The quick brown fox", LONG, "r1")
         await anext(stream)
@@ -63,48 +135,44 @@ def test_closing_the_stream_aborts_and_frees_blocks(tiny_model):
                 break
             await asyncio.sleep(0.05)
         assert engine.stats.num_free_blocks == total
-        await engine.shutdown(1)
 
-    run(scenario())
+    loop.run(scenario())
 
 
-def test_abort_from_outside_ends_the_stream(tiny_model):
+def test_abort_from_outside_ends_the_stream(shared):
+    loop, engine = shared
+
     async def scenario():
-        engine = make(tiny_model)
-        engine.start()
-        await engine.wait_ready()
         stream = engine.generate("The quick brown fox", LONG, "r1")
         await anext(stream)
         engine.abort("r1")
         with pytest.raises(RequestAbortedError):
             async for _ in stream:
                 pass
-        await engine.shutdown(1)
+        await wait_idle(engine)
 
-    run(scenario())
+    loop.run(scenario())
 
 
-def test_invalid_prompt_raises_value_error(tiny_model):
+def test_invalid_prompt_raises_value_error(shared):
+    loop, engine = shared
+
     async def scenario():
-        engine = make(tiny_model)
-        engine.start()
-        await engine.wait_ready()
         with pytest.raises(ValueError, match="out of range"):
             async for _ in engine.generate([10**7], SamplingParams(max_tokens=2)):
                 pass
         # The loop survives a bad request.
         outputs = [o async for o in engine.generate("hi", SamplingParams(max_tokens=2))]
         assert outputs[-1].finished
-        await engine.shutdown(1)
 
-    run(scenario())
+    loop.run(scenario())
 
 
-def test_queue_limit_rejects_with_queue_full(tiny_model):
+def test_queue_limit_rejects_with_queue_full(shared):
+    loop, engine = shared
+
     async def scenario():
-        engine = make(tiny_model, max_queue_len=2)
-        engine.start()
-        await engine.wait_ready()
+        engine.max_queue_len = 2
         streams = [engine.generate("hi", LONG, f"r{i}") for i in range(6)]
         tasks = [asyncio.ensure_future(anext(s)) for s in streams]
         for _ in range(400):
@@ -118,9 +186,10 @@ def test_queue_limit_rejects_with_queue_full(tiny_model):
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
-        await engine.shutdown(1)
+        engine.max_queue_len = None
+        await wait_idle(engine)
 
-    run(scenario())
+    loop.run(scenario())
 
 
 def test_not_ready_before_start_and_after_drain(tiny_model):

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from server_harness import TINY_MAX_MODEL_LEN, ServerThread
+from server_harness import TINY_MAX_MODEL_LEN, ServerThread, wait_until_gone
 
 
 def assert_error(response: httpx.Response, status: int) -> dict:
@@ -131,6 +131,7 @@ def test_probes(http):
 
 def test_api_key_required_on_v1(tiny_model):
     server = ServerThread(tiny_model, api_key="s3cret", num_kv_blocks=32).start()
+    engine_pid = server.engine.engine_pid
     try:
         with httpx.Client(base_url=server.base_url, timeout=60) as http:
             body = {"prompt": "hi", "max_tokens": 1}
@@ -145,6 +146,8 @@ def test_api_key_required_on_v1(tiny_model):
             assert http.get("/metrics").status_code == 200
     finally:
         server.stop()
+    # Stopping the server stops its engine process too (test_sigterm checks `pagoda serve`).
+    assert wait_until_gone(engine_pid, 5)
 
 
 def test_full_queue_is_429_with_retry_after(tiny_model):

@@ -8,7 +8,7 @@ import threading
 import time
 
 import httpx
-from server_harness import start_subprocess_server
+from server_harness import child_pids, start_subprocess_server, wait_until_gone
 from tiny_models import build_tiny_model
 
 
@@ -44,6 +44,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
         )
         client.start()
         assert first_chunk.wait(60)
+        children = child_pids(proc.pid)  # the engine process (and multiprocessing's tracker)
+        assert children
         proc.send_signal(signal.SIGTERM)
         # Draining: new connections are refused while the in-flight stream continues.
         refused = False
@@ -57,6 +59,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
         assert refused, "the server kept accepting connections after SIGTERM"
         client.join(timeout=120)
         assert proc.wait(timeout=60) == 0
+        assert all(wait_until_gone(pid, 5) for pid in children), "an engine process outlived us"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -95,3 +98,17 @@ def test_sigterm_grace_period_bounds_the_wait(tmp_path):
             proc.kill()
         proc.communicate(timeout=10)
     assert not result.get("done"), "6,000 tokens cannot finish within a 1 s grace period"
+
+
+def test_engine_process_exits_when_the_server_is_killed(tiny_model):
+    proc, _ = start_subprocess_server(tiny_model, "--num-kv-blocks", "64")
+    try:
+        children = child_pids(proc.pid)
+        assert children
+        proc.kill()  # no shutdown: the engine process must notice its parent is gone
+        proc.wait(timeout=10)
+        assert all(wait_until_gone(pid, 15) for pid in children), "orphaned engine process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)

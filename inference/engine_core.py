@@ -1,0 +1,422 @@
+"""The engine core: ``LLMEngine`` in a process of its own, as in vLLM V1.
+
+The HTTP server's event loop builds and writes one SSE chunk per token per request; the
+engine's step loop is Python too. In one process they share the GIL and each waits on the
+other, so the engine runs here, in a "spawn" child, and the server only talks to it through
+two pipes. The child is not daemonic (with tensor parallelism the engine spawns worker
+processes itself, which daemonic processes may not), so it watches its parent instead: it
+exits when its command pipe closes, and a watchdog thread ends it if the parent dies while
+a step is stuck.
+
+The loop: take every pending command without blocking while there is work (block, with a
+heartbeat timeout, when idle), ``step()``, and send ONE message per step carrying every
+request's *new* output (token ids, text, logprobs, finish reason: deltas, so pickling stays
+proportional to what changed), the engine stats and the per-request timings the metrics
+need. Text is held back by the longest stop string minus one until a request finishes, so
+the text a client has been sent is never cut back by a stop string found later.
+
+Messages, server -> core: a list of commands, each one of
+    ("add", request_id, prompt, params, arrival_time)   ("abort", [request_id, ...])
+    ("stats",)                                           ("shutdown",)
+core -> server: a list of messages, each one of
+    ("resolved", tokenizer_path)         model folder found; weights load next
+    ("ready", EngineInfo, stats, adds)   loaded and warmed up
+    ("step", now, stats, adds, outputs, timings)
+    ("stats", stats, adds, timings)      after idle commands, and every HEARTBEAT_S when idle
+    ("error", request_id, type_name, message)   an add was rejected (bad prompt)
+    ("dead", reason)                     fatal; the process exits right after
+``adds`` counts the add commands taken so far (the server estimates its queue with it);
+``outputs`` is a list of ``(request_id, finished, [(index, new_token_ids, new_text,
+new_logprobs, cumulative_logprob, finish_reason, stop_reason), ...])``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.config import EngineConfig
+from inference.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # an idle core sends its stats this often: the server's liveness signal
+HEALTH_CHECK_S = 1.0  # how often a busy core asks the engine whether its workers live
+PARENT_GRACE_S = 5.0  # after the parent died, how long the loop may take to notice by itself
+_WARMUP_MAX_STEPS = 10_000
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass
+class EngineInfo:
+    """What the server needs to know about the loaded engine (no torch objects)."""
+
+    config: EngineConfig  # resolved: max_model_len, max_num_seqs, ... filled in
+    model_name: str
+    tokenizer_path: str | None
+    vocab_size: int | None
+    num_total_blocks: int | None
+    dtype: str
+    device: str
+    startup_phases: dict[str, float] = field(default_factory=dict)
+    pid: int = 0
+    tokenizer: Any = field(default=None, repr=False)  # set in the server process
+
+    @classmethod
+    def from_engine(cls, engine: Any, tokenizer_path: str | None) -> EngineInfo:
+        model_config = getattr(engine, "model_config", None)
+        return cls(
+            config=engine.config,
+            model_name=getattr(engine, "model_name", engine.config.model),
+            tokenizer_path=tokenizer_path,
+            vocab_size=getattr(model_config, "vocab_size", None),
+            num_total_blocks=getattr(engine, "num_total_blocks", None),
+            dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
+            device=str(getattr(engine, "device", engine.config.device)),
+            startup_phases=dict(getattr(engine, "startup_phases", {}) or {}),
+            pid=os.getpid(),
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["tokenizer"] = None
+        return state
+
+
+@dataclass
+class StepTimings:
+    """Per-request latencies completed since the last message, in seconds."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+
+    def __bool__(self) -> bool:
+        return bool(self.ttft or self.itl or self.e2e or self.queue or self.finished)
+
+
+def default_engine_factory(config: EngineConfig) -> Any:
+    from inference.llm_engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+class _Shutdown(Exception):
+    """The server asked the core to stop, or its pipe closed."""
+
+
+class _StartError(Exception):
+    """Loading or warming up the engine failed."""
+
+
+class _CoreRequest:
+    """What has been sent of one request, and its latency bookkeeping."""
+
+    __slots__ = (
+        "arrival", "holdback", "sent_tokens", "sent_chars", "done", "num_tokens",
+        "last_token_time",
+    )  # fmt: skip
+
+    def __init__(self, arrival: float, params: SamplingParams) -> None:
+        self.arrival = arrival
+        stops = params.stop or []
+        # A stop string may be arriving a token at a time: its first characters must not
+        # reach the client before the engine cuts them off.
+        self.holdback = (
+            max(len(s) for s in stops) - 1 if stops and not params.include_stop_str_in_output else 0
+        )
+        self.sent_tokens = [0] * params.n
+        self.sent_chars = [0] * params.n
+        self.done = [False] * params.n
+        self.num_tokens = 0
+        self.last_token_time: float | None = None
+
+
+def plain_stats(stats: Any) -> types.SimpleNamespace:
+    """The engine's stats as a plain object, so the server can unpickle them without
+    importing the engine (and torch)."""
+    return types.SimpleNamespace(**vars(stats))
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        commands: multiprocessing.connection.Connection,
+        outputs: multiprocessing.connection.Connection,
+        engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
+    ) -> None:
+        self.config = config
+        self.commands = commands
+        self.outputs = outputs
+        self.engine_factory = engine_factory
+        self.engine: Any = None
+        self.requests: dict[str, _CoreRequest] = {}
+        self.num_adds = 0
+        self.timings = StepTimings()
+        self.next_health_check = 0.0
+
+    # ----- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Load, warm up, serve until told to stop. Returns the process exit code."""
+        try:
+            self._loop(self._start())
+        except _Shutdown:
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - report, then exit non-zero
+            logger.exception("engine core failed")
+            if isinstance(exc, _StartError):
+                self._send_dead(str(exc))
+            else:
+                self._send_dead(f"engine failed: {type(exc).__name__}: {exc}")
+            return 1
+        finally:
+            self._shutdown_engine()
+        return 0
+
+    def _shutdown_engine(self) -> None:
+        """Stop what the engine started (tensor-parallel workers), failed or not."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is None:
+            return
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            logger.exception("engine shutdown failed")
+
+    def _start(self) -> Any:
+        from inference.model_files import resolve_model
+
+        try:
+            path = resolve_model(self.config.model)
+        except Exception as exc:
+            raise _StartError(f"engine failed to start: {exc}") from exc
+        tokenizer_path = str(self.config.tokenizer or path)
+        self._send([("resolved", tokenizer_path)])
+        try:
+            engine = self.engine = self.engine_factory(self.config)
+            _warm_up(engine)
+        except _Shutdown:
+            raise
+        except Exception as exc:
+            raise _StartError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
+        info = EngineInfo.from_engine(engine, tokenizer_path)
+        self._send([("ready", info, plain_stats(engine.stats()), self.num_adds)])
+        logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
+        return engine
+
+    def _loop(self, engine: Any) -> None:
+        commands = self.commands
+        while True:
+            busy = engine.has_unfinished_requests()
+            if commands.poll(0 if busy else HEARTBEAT_S):
+                self._take_commands(engine)
+                if not engine.has_unfinished_requests():
+                    self._send_stats(engine)
+                    continue
+            elif not busy:
+                self._check_health(engine)
+                self._send_stats(engine)  # the heartbeat
+                continue
+            outputs = engine.step()
+            now = time.time()
+            items = self._deltas(outputs, now)
+            timings, self.timings = self.timings, StepTimings()
+            stats = plain_stats(engine.stats())
+            self._send([("step", now, stats, self.num_adds, items, timings or None)])
+            if time.monotonic() >= self.next_health_check:
+                self._check_health(engine)
+
+    def _check_health(self, engine: Any) -> None:
+        self.next_health_check = time.monotonic() + HEALTH_CHECK_S
+        check = getattr(engine, "check_health", None)
+        if check is not None and check() is False:  # it raises with the reason, or says False
+            raise RuntimeError("the engine reports a failure (check_health)")
+
+    # ----- commands ----------------------------------------------------------------------
+
+    def _take_commands(self, engine: Any) -> None:
+        commands = self.commands
+        while True:
+            try:
+                batch = commands.recv()
+            except (EOFError, OSError) as exc:
+                raise _Shutdown() from exc
+            for command in batch:
+                self._handle(engine, command)
+            if not commands.poll():
+                return
+
+    def _handle(self, engine: Any, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, arrival = command
+            self.num_adds += 1
+            try:
+                engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                self._send([("error", request_id, type(exc).__name__, str(exc))])
+                return
+            self.requests[request_id] = _CoreRequest(arrival, params)
+        elif kind == "abort":
+            request_ids = command[1]
+            for request_id in request_ids:
+                if self.requests.pop(request_id, None) is not None:
+                    _count(self.timings.finished, "abort")
+            engine.abort_request(request_ids)
+        elif kind == "stats":
+            pass  # every idle batch of commands is answered with stats anyway
+        elif kind == "shutdown":
+            raise _Shutdown()
+        else:
+            logger.warning("unknown engine-core command %r", kind)
+
+    # ----- outputs -----------------------------------------------------------------------
+
+    def _deltas(self, outputs: list[Any], now: float) -> list[tuple]:
+        """Each request's new output since the last step, and its latencies."""
+        items = []
+        requests = self.requests
+        timings = self.timings
+        for output in outputs:
+            request = requests.get(output.request_id)
+            if request is None:
+                continue  # aborted, or the warm-up request
+            completions = []
+            num_new = 0
+            for completion in output.outputs:
+                delta = _completion_delta(request, completion)
+                if delta is not None:
+                    completions.append(delta)
+                    num_new += len(delta[1])
+            if num_new:
+                if request.last_token_time is None:
+                    timings.ttft.append(max(0.0, now - request.arrival))
+                else:
+                    timings.itl.append(now - request.last_token_time)
+                request.last_token_time = now
+                request.num_tokens += num_new
+            finished = output.finished
+            if finished:
+                del requests[output.request_id]
+                timings.e2e.append(max(0.0, now - request.arrival))
+                scheduled = output.metrics.first_scheduled_time if output.metrics else None
+                if scheduled is not None:
+                    timings.queue.append(max(0.0, scheduled - request.arrival))
+                reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+                _count(timings.finished, reasons[0] if reasons else "abort")
+            if completions or finished:
+                items.append((output.request_id, finished, completions))
+        return items
+
+    # ----- sending -----------------------------------------------------------------------
+
+    def _send(self, messages: list[tuple]) -> None:
+        try:
+            self.outputs.send(messages)
+        except (BrokenPipeError, EOFError, OSError) as exc:
+            raise _Shutdown() from exc  # the server is gone
+
+    def _send_stats(self, engine: Any) -> None:
+        timings, self.timings = self.timings, StepTimings()
+        stats = plain_stats(engine.stats())
+        self._send([("stats", stats, self.num_adds, timings or None)])
+
+    def _send_dead(self, reason: str) -> None:
+        try:
+            self.outputs.send([("dead", reason)])
+        except (OSError, EOFError):
+            pass
+
+
+def _completion_delta(request: _CoreRequest, completion: Any) -> tuple | None:
+    index = completion.index
+    if request.done[index]:
+        return None
+    token_ids = completion.token_ids
+    sent = request.sent_tokens[index]
+    new_ids = token_ids[sent:]
+    text = completion.text
+    finish_reason = completion.finish_reason
+    sent_chars = request.sent_chars[index]
+    end = len(text)
+    if finish_reason is None and request.holdback:
+        end -= request.holdback
+    new_text = text[sent_chars:end] if end > sent_chars else ""
+    if not new_ids and not new_text and finish_reason is None:
+        return None
+    logprobs = completion.logprobs
+    new_logprobs = logprobs[sent:] if logprobs is not None else None
+    request.sent_tokens[index] = len(token_ids)
+    if end > sent_chars:
+        request.sent_chars[index] = end
+    if finish_reason is not None:
+        request.done[index] = True
+    return (
+        index, new_ids, new_text, new_logprobs, completion.cumulative_logprob, finish_reason,
+        completion.stop_reason,
+    )  # fmt: skip
+
+
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _warm_up(engine: Any) -> None:
+    """One short request through the whole path, so the first client does not pay for
+    lazy initialisation (kernel compilation, allocator growth, CUDA graph capture)."""
+    request_id = f"warmup-{uuid.uuid4().hex}"
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request(request_id, "Hello, warm-up.", params)
+    for _ in range(_WARMUP_MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise RuntimeError("warm-up request did not finish")
+
+
+def _exit_with_parent() -> None:
+    """Exit if the server process dies, even while a step is stuck (the loop notices a
+    closed pipe by itself between steps)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        time.sleep(PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_engine_core(
+    config: EngineConfig,
+    commands: multiprocessing.connection.Connection,
+    outputs: multiprocessing.connection.Connection,
+    engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
+    log_level: int = logging.INFO,
+) -> None:
+    """The engine-core process's entry point."""
+    # Ctrl-C reaches the whole process group: the server drains and then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    _exit_with_parent()
+    code = EngineCore(config, commands, outputs, engine_factory).run()
+    commands.close()
+    outputs.close()
+    sys.exit(code)

@@ -1,0 +1,98 @@
+"""The engine runs in its own process: when it dies or fails, /health says so and in-flight
+requests end with an error at once (never hang); shutting the server down leaves no engine
+process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+from server_harness import FAULT_SEED, ServerThread, engine_failing_on_fault_seed, wait_until_gone
+
+LONG = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
+
+
+def stream_events(base_url: str, body: dict, events: list, first: threading.Event) -> None:
+    """Collect a streamed completion's SSE payloads (dicts, or "[DONE]")."""
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    first.set()
+    finally:
+        first.set()
+
+
+def start_stream(base_url: str, body: dict) -> tuple[threading.Thread, list, threading.Event]:
+    events: list = []
+    first = threading.Event()
+    thread = threading.Thread(target=stream_events, args=(base_url, body, events, first))
+    thread.start()
+    assert first.wait(60), "no first chunk"
+    return thread, events, first
+
+
+def assert_dead_server(base_url: str, reason_part: str) -> None:
+    health = httpx.get(f"{base_url}/health", timeout=5)
+    assert health.status_code == 503
+    assert reason_part in health.json()["reason"]
+    assert httpx.get(f"{base_url}/ready", timeout=5).status_code == 503
+    late = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert late.status_code == 503, late.text
+
+
+def test_engine_failure_errors_in_flight_requests_and_fails_health(tiny_model):
+    server = ServerThread(
+        tiny_model, engine_factory=engine_failing_on_fault_seed, num_kv_blocks=64, max_num_seqs=4
+    ).start()
+    try:
+        pid = server.engine.engine_pid
+        base_url = server.base_url
+        assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+        # A non-streamed request in flight when the engine fails...
+        waiting: dict = {}
+        plain = threading.Thread(
+            target=lambda: waiting.update(
+                response=httpx.post(f"{base_url}/v1/completions", json=LONG, timeout=60)
+            )
+        )
+        plain.start()
+        # ...and a stream that brings the fault a few steps after its first chunk.
+        started = time.monotonic()
+        thread, events, _ = start_stream(base_url, {**LONG, "stream": True, "seed": FAULT_SEED})
+        thread.join(30)
+        plain.join(30)
+        assert not thread.is_alive() and not plain.is_alive(), "a request hung"
+        assert time.monotonic() - started < 20
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "injected fault" in errors[0]["error"]["message"], events
+        assert events[-1] == "[DONE]"
+        assert waiting["response"].status_code == 503, waiting["response"].text
+        assert_dead_server(base_url, "injected fault")
+    finally:
+        server.stop()
+    assert wait_until_gone(pid, 10), "the failed engine process outlived the server"
+
+
+def test_engine_process_killed_mid_stream(tiny_model):
+    server = ServerThread(tiny_model, num_kv_blocks=64, max_num_seqs=4).start()
+    try:
+        pid = server.engine.engine_pid
+        thread, events, _ = start_stream(server.base_url, {**LONG, "stream": True})
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        thread.join(10)
+        assert not thread.is_alive(), "the stream hung after the engine process died"
+        assert time.monotonic() - killed < 5
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "exited unexpectedly" in errors[0]["error"]["message"], events
+        assert events[-1] == "[DONE]"
+        assert_dead_server(server.base_url, "exited unexpectedly")
+    finally:
+        server.stop()
