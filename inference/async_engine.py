@@ -496,8 +496,12 @@ class AsyncLLMEngine:
         """Wait up to ``timeout`` for the engine process to exit; True if it has. Reaping
         happens under a lock: two threads reaping one child race (one sees ECHILD)."""
         process = self._process
-        multiprocessing.connection.wait([process.sentinel], timeout)
+        if not multiprocessing.connection.wait([process.sentinel], timeout):
+            return False
         with self._process_lock:
+            # The sentinel closes a moment before the child can be reaped; join's blocking
+            # wait reaps it (is_alive alone can still say True then).
+            process.join(5.0)
             return not process.is_alive()
 
     def _load_tokenizer(self, path: str, messages: list[tuple]) -> list[tuple]:

@@ -69,6 +69,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
     finish = [c["choices"][0]["finish_reason"] for c in result["chunks"] if c["choices"]]
     assert finish[-1] == "length", "the in-flight request ran to completion"
     assert "Finished server process" in output
+    assert "did not stop" not in output, "the engine process had to be killed"
 
 
 def test_sigterm_grace_period_bounds_the_wait(tmp_path):
