@@ -32,7 +32,7 @@ import torch
 
 from inference.config import EngineConfig
 from inference.distributed.parallel_state import free_local_port, kv_head_range
-from inference.distributed.worker import EXECUTE, SHUTDOWN, WorkerArgs, worker_main
+from inference.distributed.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
 from inference.model_runner import build_step_inputs
 from inference.models.config import ModelConfig
 from inference.sampler import SamplerOutput, SamplingMetadata
@@ -169,6 +169,11 @@ class MultiprocExecutor:
         return _StepHandle(self, index)
 
     def _step_result(self, index: int) -> SamplerOutput | None:
+        if self._num_received <= index and self._num_launched == index + 1:
+            # No later step was sent: workers answer a step once the next is queued, so
+            # ask for this one now.
+            self._check_alive()
+            self._send((FLUSH,))
         while self._num_received <= index:
             self._check_alive()
             self._step_results[self._num_received] = self._receive({0})[0]

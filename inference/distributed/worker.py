@@ -47,6 +47,8 @@ class WorkerArgs:
 # ("error", text).
 SHUTDOWN = "shutdown"
 EXECUTE = "execute"
+# "Reply for the last step now": the engine waits for it without sending another step.
+FLUSH = "flush"
 _SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_decode_graphs")
 
 
@@ -126,7 +128,11 @@ class _Worker:
         conn.send(("ok", {"load_seconds": self.runner.load_seconds, "pid": os.getpid()}))
 
     def serve(self) -> None:
+        """Steps are pipelined: step n is answered once step n+1 is queued on the GPU (or
+        on FLUSH), so the GPU never idles while this process reads the next message and
+        stages its inputs."""
         conn = self.conn
+        pending = None  # the last launched step, not answered yet
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
@@ -136,9 +142,14 @@ class _Worker:
             if method == SHUTDOWN:
                 return
             if method == EXECUTE:
-                result = self.execute(*payload)
-                if self.rank == 0:
-                    conn.send(("ok", result))
+                launched = self.launch(*payload)
+                if pending is not None:
+                    self._answer(pending)
+                pending = launched
+            elif method == FLUSH:
+                if pending is not None:
+                    self._answer(pending)
+                    pending = None
             elif method in _SETUP_CALLS:
                 conn.send(("ok", getattr(self, method)(*payload)))
             else:
@@ -156,7 +167,14 @@ class _Worker:
         return self.runner.capture_decode_graphs()
 
     # -- one step ------------------------------------------------------------------------
-    def execute(self, inputs, sample_rows, sampling, seq_ids, new_seqs, finished) -> Any:
+    def _answer(self, handle: Any) -> None:
+        # Every rank waits for its step (so that its pinned staging buffers are free again
+        # two steps later); rank 0 sends the sampled tokens.
+        result = handle.result()
+        if self.rank == 0:
+            self.conn.send(("ok", result))
+
+    def launch(self, inputs, sample_rows, sampling, seq_ids, new_seqs, finished) -> Any:
         """``sampling`` arrives without params and generators: they are looked up by the
         sampled rows' sequence ids (``new_seqs`` brings those seen for the first time)."""
         for seq_id in finished:
@@ -171,7 +189,7 @@ class _Worker:
         sampling = replace(
             sampling, params=[s[0] for s in states], generators=[s[1] for s in states]
         )
-        return self.runner.execute_inputs(inputs, sample_rows, sampling)
+        return self.runner.launch_inputs(inputs, sample_rows, sampling)
 
     def close(self) -> None:
         from inference.distributed.parallel_state import destroy_parallel

@@ -92,6 +92,23 @@ def test_prefix_cache_hits_match_single_rank(outputs_by_tp):
     assert outputs_by_tp[2]["cached"] == [48, 48, 48]
 
 
+def test_synchronous_and_penalised_steps_match_single_rank(tmp_path):
+    """Workers answer a step once the next is queued, or when the engine asks (FLUSH):
+    steps the engine completes at once (async scheduling off; penalised rows) take the
+    second path."""
+    build_tiny_model(tmp_path, "llama")
+    prompts = _prompts()[:3]
+    penalised = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3,
+                               ignore_eos=True)
+    runs = []
+    for tp, async_scheduling in ((1, True), (2, False), (2, True)):
+        with LLM(str(tmp_path), tensor_parallel_size=tp, async_scheduling=async_scheduling,
+                 **ENGINE_ARGS) as llm:
+            outs = llm.generate(prompts, [GREEDY, penalised, GREEDY], use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 # -- failures ------------------------------------------------------------------------------
 
 
