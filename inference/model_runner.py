@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
 from inference.config import EngineConfig
 from inference.distributed.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.layers.attention_metadata import AttentionMetadata
@@ -156,11 +157,59 @@ class ModelRunner:
 
     def capture_decode_graphs(self) -> float:
         """CUDA graphs for decode steps; returns seconds spent. No-op on CPU or eager."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
-        self.decode_graphs = DecodeGraphs(self)
+        if not self.config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self)
+        self._warm_up_attention_variants()
         return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _warm_up_attention_variants(self) -> None:
+        """Compile every attention variant an eager (prefill or mixed) step can need before
+        the engine reports ready: the kernel is specialised on its tiling and on how many
+        segments the KV range is split into, and a variant first met by a request would
+        stall every running sequence for the length of a Triton compile (about a second).
+        Decode variants compile while the graphs are captured."""
+        from kernels._triton.attention import _MAX_SEGMENTS, _num_segments
+
+        layer = self.model.layers[0]
+        k_cache, v_cache = self.kv_caches[0]
+        kv_heads, block_size = k_cache.shape[2], self.block_size
+        group_pad = 1 << max(0, (layer.num_heads // kv_heads) - 1).bit_length()
+        # Query-tile tilings: 64-row tiles, and 128-row tiles for steps of 4096+ tokens.
+        cases = [(64, 64)]
+        if self.config.max_num_batched_tokens >= 4096:
+            cases.append((4096, 128))
+        for num_tokens, block_m in cases:
+            if -(-num_tokens // block_size) > self.num_blocks:
+                continue
+            block_q = max(1, max(block_m, group_pad, 16) // group_pad)
+            most = 1
+            if block_m == 64:
+                most = _MAX_SEGMENTS  # a 2-token step of one sequence can split 64 ways
+            else:
+                most = _num_segments((num_tokens // block_q + 1) * kv_heads, 0, self.device)
+            q = torch.zeros(num_tokens, layer.num_heads, layer.head_dim, dtype=self.dtype,
+                            device=self.device)
+            meta = dict(
+                block_tables=torch.arange(-(-num_tokens // block_size), dtype=torch.int32,
+                                          device=self.device)[None],
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32,
+                                             device=self.device),
+            )
+            segments = 1
+            while segments <= most:
+                kernels.paged_attention(
+                    q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"],
+                    meta["query_start_loc"], layer.scale, max_query_len=num_tokens,
+                    num_segments=segments,
+                )
+                segments *= 2
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -51,7 +51,9 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would otherwise
+# compile a variant for 1, for multiples of 16 and for the rest, mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -190,7 +192,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_segments_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
     num_seqs, stride_ot, stride_oh,
