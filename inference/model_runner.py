@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
 from inference.config import EngineConfig
 from inference.distributed.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.layers.attention_metadata import AttentionMetadata
@@ -22,6 +21,7 @@ from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.sampler import SampledTokens, Sampler, SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
+from kernels._backend import kernel_for
 
 logger = logging.getLogger(__name__)
 
@@ -166,16 +166,18 @@ class ModelRunner:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def _warm_up_attention_variants(self) -> None:
+    def _warm_up_attention_variants(self, attention_ops=None) -> None:
         """Compile every attention variant an eager (prefill or mixed) step can need before
         the engine reports ready: the kernel is specialised on its tiling and on how many
         segments the KV range is split into, and a variant first met by a request would
         stall every running sequence for the length of a Triton compile (about a second).
-        Decode variants compile while the graphs are captured."""
-        from kernels._triton.attention import _MAX_SEGMENTS, _num_segments
-
-        layer = self.model.layers[0]
+        Decode variants compile while the graphs are captured. ``attention_ops``: the
+        Triton attention module (tests pass a stand-in); nothing to do without Triton."""
         k_cache, v_cache = self.kv_caches[0]
+        ops = attention_ops or kernel_for("attention", k_cache)
+        if ops is None:
+            return
+        layer = self.model.layers[0]
         kv_heads, block_size = k_cache.shape[2], self.block_size
         group_pad = 1 << max(0, (layer.num_heads // kv_heads) - 1).bit_length()
         # Query-tile tilings: 64-row tiles, and 128-row tiles for steps of 4096+ tokens.
@@ -186,11 +188,10 @@ class ModelRunner:
             if -(-num_tokens // block_size) > self.num_blocks:
                 continue
             block_q = max(1, max(block_m, group_pad, 16) // group_pad)
-            most = 1
             if block_m == 64:
-                most = _MAX_SEGMENTS  # a 2-token step of one sequence can split 64 ways
+                most = ops._MAX_SEGMENTS  # a 2-token step of one sequence can split 64 ways
             else:
-                most = _num_segments((num_tokens // block_q + 1) * kv_heads, 0, self.device)
+                most = ops._num_segments((num_tokens // block_q + 1) * kv_heads, 0, self.device)
             q = torch.zeros(num_tokens, layer.num_heads, layer.head_dim, dtype=self.dtype,
                             device=self.device)
             meta = dict(
@@ -202,9 +203,9 @@ class ModelRunner:
             )
             segments = 1
             while segments <= most:
-                kernels.paged_attention(
+                ops.paged_attention(
                     q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"],
-                    meta["query_start_loc"], layer.scale, max_query_len=num_tokens,
+                    meta["query_start_loc"], layer.scale, None, num_tokens,
                     num_segments=segments,
                 )
                 segments *= 2
