@@ -12,33 +12,36 @@ A request's life, top to bottom:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer
+from inference.engine_setup import (
+    check_capacity,
+    check_tensor_parallel,
+    eos_token_ids,
+    load_tokenizer,
+    make_runner,
+    resolve_device,
+    resolve_dtype,
+    resolve_lengths,
+)
 from inference.model_files import resolve_model
-from inference.model_runner import ModelRunner, StepHandle
+from inference.model_runner import StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from inference.sampler import RowLogprobs, SamplingMetadata, _has_penalties
+from inference.sampler import RowLogprobs, SamplingMetadata, has_penalties
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
 
 
 @dataclass
@@ -84,17 +87,17 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.model_name = config.served_model_name or self.model_path.name
         self.model_config = ModelConfig.from_folder(self.model_path)
-        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
-        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
-        self.device = _resolve_device(config)
-        _check_tensor_parallel(config, self.model_config, self.device)
-        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
-        _resolve_lengths(config, self.model_config, self.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.model_config, self.tokenizer)
+        self.device = resolve_device(config)
+        check_tensor_parallel(config, self.model_config, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        resolve_lengths(config, self.model_config, self.device)
         torch.manual_seed(config.seed)
 
         # One GPU: the model runs in this process. Tensor parallel: worker processes hold
         # the shards; the executor offers the runner's methods.
-        self.runner = _make_runner(
+        self.runner = make_runner(
             config, self.model_config, str(self.model_path), self.device, self.dtype
         )
         try:
@@ -127,7 +130,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks()
         t1 = time.perf_counter()
-        _check_capacity(config, num_blocks)
+        check_capacity(config, num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
         t2 = time.perf_counter()
         capture_s = self.runner.capture_decode_graphs()
@@ -283,7 +286,7 @@ class LLMEngine:
         for row, seq in enumerate(sampled_seqs):
             positions.append(seq.num_tokens)
             seq.append_placeholder(-1 - row)
-        needs_sync = any(_has_penalties(s.params) for s in sampled_seqs)
+        needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
         return _LaunchedStep(handle, sampled_seqs, positions, needs_sync)
 
     def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
@@ -472,94 +475,3 @@ def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], include: 
     idx, stop = best
     detok.text = text[: idx + len(stop)] if include else text[:idx]
     return stop
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _load_tokenizer(path):
-    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
-    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files: prompts must be token ids", path)
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
-    ids = set(cfg.eos_token_ids)
-    gen_path = Path(path) / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids |= {eos} if isinstance(eos, int) else set(eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "cpu":
-        return torch.device("cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
-    """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
-    from inference.distributed.parallel_state import check_divisible
-
-    tp = config.tensor_parallel_size
-    check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
-    if tp > 1 and device.type == "cuda" and torch.cuda.device_count() < tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} needs {tp} GPUs; this host has "
-            f"{torch.cuda.device_count()}"
-        )
-
-
-def _make_runner(config, model_config, model_path, device, dtype):
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config, model_config, model_path, device, dtype)
-    from inference.distributed.executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, model_config, model_path, device, dtype)
-
-
-def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and less exact
-    config_dtype = _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16)
-    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
-
-
-def _resolve_lengths(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside it
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
-        )
-    on_gpu = device.type == "cuda"
-    if config.max_num_seqs is None:
-        config.max_num_seqs = 1024 if on_gpu else 256
-    if config.max_num_batched_tokens is None:
-        config.max_num_batched_tokens = 16384 if on_gpu else 2048
-
-
-def _check_capacity(config: EngineConfig, num_blocks: int) -> None:
-    capacity = num_blocks * config.block_size
-    if capacity < config.max_model_len:
-        raise ValueError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
-            f"{config.block_size}), fewer than max_model_len={config.max_model_len}: one "
-            "request could never finish. Lower max_model_len or give the cache more memory "
-            "(gpu_memory_utilization, num_kv_blocks)."
-        )

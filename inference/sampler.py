@@ -62,7 +62,7 @@ def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
@@ -373,7 +373,7 @@ class Sampler:
         params = metadata.params
         logits = logits.float()
         all_greedy = all(p.greedy for p in params)
-        penalized = [_has_penalties(p) for p in params]
+        penalized = [has_penalties(p) for p in params]
         wants_logprobs = any(p.logprobs is not None for p in params)
         in_min_tokens = any(
             count < p.min_tokens

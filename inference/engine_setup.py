@@ -1,0 +1,114 @@
+"""How an engine is put together from its config: tokenizer and stop ids, device and
+dtype, lengths and batch limits, the model runner (one process or tensor-parallel workers),
+and the checks that reject a configuration before anything large is allocated."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from inference.config import EngineConfig
+from inference.model_runner import ModelRunner
+from inference.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path):
+    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
+    ids = set(cfg.eos_token_ids)
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids |= {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
+    from inference.distributed.parallel_state import check_divisible
+
+    tp = config.tensor_parallel_size
+    check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
+    if tp > 1 and device.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs; this host has "
+            f"{torch.cuda.device_count()}"
+        )
+
+
+def make_runner(config, model_config, model_path, device, dtype):
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_config, model_path, device, dtype)
+    from inference.distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, model_config, model_path, device, dtype)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    config_dtype = _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16)
+    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+
+
+def resolve_lengths(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    on_gpu = device.type == "cuda"
+    if config.max_num_seqs is None:
+        config.max_num_seqs = 1024 if on_gpu else 256
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = 16384 if on_gpu else 2048
+
+
+def check_capacity(config: EngineConfig, num_blocks: int) -> None:
+    capacity = num_blocks * config.block_size
+    if capacity < config.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+            f"{config.block_size}), fewer than max_model_len={config.max_model_len}: one "
+            "request could never finish. Lower max_model_len or give the cache more memory "
+            "(gpu_memory_utilization, num_kv_blocks)."
+        )
