@@ -221,17 +221,6 @@ class ModelRunner:
         input_ids = resolve_placeholders(input_ids, self.sampled_ids)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def execute(
-        self,
-        seqs: list[Sequence],
-        num_new_tokens: list[int],
-        sample_rows: list[int],
-        sampling: SamplingMetadata,
-    ) -> SamplerOutput | None:
-        """Compute this step's tokens for every sequence; sample the next token for the
-        sequences at ``sample_rows`` (those whose last known token was computed)."""
-        return self.launch(seqs, num_new_tokens, sample_rows, sampling).result()
-
     def launch(
         self,
         seqs: list[Sequence],
@@ -239,21 +228,18 @@ class ModelRunner:
         sample_rows: list[int],
         sampling: SamplingMetadata,
     ) -> StepHandle:
-        """Queue the step on the device and return at once (on a GPU): the host can do
-        other work while it runs and collect the sampled tokens with ``result()``."""
+        """Compute this step's tokens for every sequence and sample the next token for the
+        sequences at ``sample_rows`` (those whose last known token was computed). On a GPU
+        this queues the work and returns at once: the host can do other work while it runs
+        and collect the sampled tokens with ``result()``."""
         inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
         return self.launch_inputs(inputs, sample_rows, sampling)
-
-    def execute_inputs(
-        self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
-    ) -> SamplerOutput | None:
-        """The step from host arrays: what a tensor-parallel worker receives."""
-        return self.launch_inputs(inputs, sample_rows, sampling).result()
 
     @torch.inference_mode()
     def launch_inputs(
         self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
     ) -> StepHandle:
+        """The same from host arrays: what a tensor-parallel worker receives."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs):
             hidden = graphs.run(inputs)

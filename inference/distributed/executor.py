@@ -129,15 +129,6 @@ class MultiprocExecutor:
     def capture_decode_graphs(self) -> float:
         return max(self._call_all(("capture_decode_graphs",)))
 
-    def execute(
-        self,
-        seqs: list[Sequence],
-        num_new_tokens: list[int],
-        sample_rows: list[int],
-        sampling: SamplingMetadata,
-    ) -> SamplerOutput | None:
-        return self.launch(seqs, num_new_tokens, sample_rows, sampling).result()
-
     def launch(
         self,
         seqs: list[Sequence],
