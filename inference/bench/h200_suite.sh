@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Everything the GPU issue measures, in one call on the H200: GPU parity tests, kernel
-# checks, then the throughput/latency table. JSON results land in $OUT (or ./bench-out).
+# Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
+# table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
+# Parts: all | parity | bench | serve | tp. JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Multi-GPU hosts here keep NVLink multicast off (see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 B="python3 -m inference.bench"
 PART=${1:-all}
@@ -19,6 +22,17 @@ if [[ $PART == all || $PART == bench ]]; then
       --output-json "$OUT/throughput_qwen2.5-7b.json"
   $B.latency --model qwen2.5-7b --batch-size 1 --input-len 512 --output-len 128 \
       --num-iters 2 --output-json "$OUT/latency_qwen2.5-7b.json"
+fi
+if [[ $PART == all || $PART == serve ]]; then
+  bash inference/bench/serve_h200.sh
+fi
+if [[ $PART == all || $PART == tp ]]; then
+  if (( $(python3 -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
+    python3 -m inference.bench.tp_check --num-prompts 512 \
+        --output-json "$OUT/tp_check_qwen2.5-7b.json" 2>&1 | grep -E "parity|noise|TP=|wrote"
+  else
+    echo "tp: skipped, this machine has fewer than 2 GPUs"
+  fi
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
