@@ -265,13 +265,12 @@ class LLMEngine:
         now = time.time()
         seqs, counts = batch.seqs, batch.num_new_tokens
         self.computed_tokens_total += batch.num_batched_tokens
-        sampled_seqs = [
-            s for s, n in zip(seqs, counts) if s.num_computed_tokens + n == s.num_tokens
-        ]
+        # Rows whose last known token is computed this step get a new token sampled.
         sample_rows = [
             row for row, (s, n) in enumerate(zip(seqs, counts))
             if s.num_computed_tokens + n == s.num_tokens
         ]
+        sampled_seqs = [seqs[row] for row in sample_rows]
         handle = self.runner.launch(
             seqs, counts, sample_rows, self._sampling_metadata(sampled_seqs)
         )

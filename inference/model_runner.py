@@ -112,18 +112,22 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """One forward over ``num_tokens`` prompt tokens in a single sequence."""
+        meta = self._one_sequence_metadata(num_tokens)
+        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.config.max_model_len
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+
+    def _one_sequence_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """A prompt of ``num_tokens`` in blocks 0, 1, ... (profiling and warm-up runs)."""
         max_blocks = -(-num_tokens // self.block_size)
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             block_tables=torch.arange(max_blocks, device=self.device, dtype=torch.int32)[None],
             seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
             query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
             max_query_len=num_tokens,
         )
-        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.config.max_model_len
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
@@ -194,19 +198,12 @@ class ModelRunner:
                 most = ops._num_segments((num_tokens // block_q + 1) * kv_heads, 0, self.device)
             q = torch.zeros(num_tokens, layer.num_heads, layer.head_dim, dtype=self.dtype,
                             device=self.device)
-            meta = dict(
-                block_tables=torch.arange(-(-num_tokens // block_size), dtype=torch.int32,
-                                          device=self.device)[None],
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32,
-                                             device=self.device),
-            )
+            meta = self._one_sequence_metadata(num_tokens)
             segments = 1
             while segments <= most:
                 ops.paged_attention(
-                    q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"],
-                    meta["query_start_loc"], layer.scale, None, num_tokens,
-                    num_segments=segments,
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                    meta.query_start_loc, layer.scale, None, num_tokens, num_segments=segments,
                 )
                 segments *= 2
         if self.device.type == "cuda":

@@ -8,6 +8,7 @@ from ``torch.distributed`` is imported or called, so the single-GPU path pays no
 from __future__ import annotations
 
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -91,8 +92,10 @@ class SymmetricMemoryAllReduce:
 
         self.group_name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            enable(self.group_name)
+        if enable is not None:  # needed by older torch; newer ones only warn that it is not
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
         self.dtype = dtype
         self.buffer = symm_mem.empty(
             max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device
