@@ -32,7 +32,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 from inference.config import EngineConfig
@@ -42,6 +41,7 @@ from inference.engine_core import (
     default_engine_factory,
     run_engine_core,
 )
+from inference.model_files import load_tokenizer
 from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
 
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 _PIPE_BYTES = 1 << 20  # room for many steps of output should the reader fall behind
 _STOP_TIMEOUT_S = 30.0
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class QueueFullError(Exception):
@@ -102,15 +101,6 @@ def _delta_output(request_id: str, finished: bool, completions: list[tuple]) -> 
         ],
         finished=finished,
     )
-
-
-def load_tokenizer(path: str | None) -> Any:
-    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
-    if path is None or not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class AsyncLLMEngine:

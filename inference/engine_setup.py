@@ -23,19 +23,6 @@ _DTYPES = {
 }
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path):
-    """The folder's tokenizer, or None for a weights-only folder (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
-    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files: prompts must be token ids", path)
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 def eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
     ids = set(cfg.eos_token_ids)
     gen_path = Path(path) / "generation_config.json"

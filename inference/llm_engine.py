@@ -25,13 +25,12 @@ from inference.engine_setup import (
     check_capacity,
     check_tensor_parallel,
     eos_token_ids,
-    load_tokenizer,
     make_runner,
     resolve_device,
     resolve_dtype,
     resolve_lengths,
 )
-from inference.model_files import resolve_model
+from inference.model_files import load_tokenizer, resolve_model
 from inference.model_runner import StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -88,6 +87,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_path.name
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        if self.tokenizer is None:
+            logger.warning("%s has no tokenizer files: prompts must be token ids", self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.model_config, self.tokenizer)
         self.device = resolve_device(config)
         check_tensor_parallel(config, self.model_config, self.device)
