@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -424,6 +425,8 @@ class AsyncLLMEngine:
         self._snapshot = (stats, num_adds)
         if self.observer is not None:
             self.observer.on_ready(info, stats)
+        gc.collect()  # the app, tokenizer and engine front live as long as the server:
+        gc.freeze()  # keep them out of the full collections that would stall streaming
         self._ready = True
         logger.info("engine ready: %s (engine process %d)", info.model_name, info.pid)
 

@@ -32,6 +32,7 @@ new_logprobs, cumulative_logprob, finish_reason, stop_reason), ...])``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -51,6 +52,7 @@ from inference.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STEP_TRACE_ENV = "PAGODA_STEP_TRACE"  # a CSV path: one row per engine step, written at exit
 HEARTBEAT_S = 1.0  # an idle core sends its stats this often: the server's liveness signal
 HEALTH_CHECK_S = 1.0  # how often a busy core asks the engine whether its workers live
 PARENT_GRACE_S = 5.0  # after the parent died, how long the loop may take to notice by itself
@@ -168,6 +170,12 @@ class EngineCore:
         self.num_adds = 0
         self.timings = StepTimings()
         self.next_health_check = 0.0
+        # (start wall time, step s, send s, running, waiting, new prompt tokens, new
+        # output tokens) per step, when PAGODA_STEP_TRACE names a file: where a latency
+        # tail comes from (a long step, a long send, a queue) without a profiler.
+        self.trace_path = os.environ.get(STEP_TRACE_ENV) or None
+        self.trace: list[tuple] = []
+        self.trace_totals: tuple[int, int] | None = None  # token counters before the step
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -186,6 +194,7 @@ class EngineCore:
             return 1
         finally:
             self._shutdown_engine()
+            self._write_trace()
         return 0
 
     def _shutdown_engine(self) -> None:
@@ -210,11 +219,17 @@ class EngineCore:
         try:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
+            # What exists now (model, tokenizer, caches) lives for the whole process: keep it
+            # out of the cyclic collector, whose full passes would otherwise stall steps.
+            gc.collect()
+            gc.freeze()
         except _Shutdown:
             raise
         except Exception as exc:
             raise _StartError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
         info = EngineInfo.from_engine(engine, tokenizer_path)
+        stats = engine.stats()
+        self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
         self._send([("ready", info, plain_stats(engine.stats()), self.num_adds)])
         logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
         return engine
@@ -232,12 +247,15 @@ class EngineCore:
                 self._check_health(engine)
                 self._send_stats(engine)  # the heartbeat
                 continue
+            start = time.time()
             outputs = engine.step()
             now = time.time()
             items = self._deltas(outputs, now)
             timings, self.timings = self.timings, StepTimings()
             stats = plain_stats(engine.stats())
             self._send([("step", now, stats, self.num_adds, items, timings or None)])
+            if self.trace_path is not None:
+                self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
                 self._check_health(engine)
 
@@ -246,6 +264,26 @@ class EngineCore:
         check = getattr(engine, "check_health", None)
         if check is not None and check() is False:  # it raises with the reason, or says False
             raise RuntimeError("the engine reports a failure (check_health)")
+
+    def _trace_step(self, start: float, stepped: float, stats: Any) -> None:
+        totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
+        last = self.trace_totals or totals
+        self.trace_totals = totals
+        self.trace.append((
+            start, stepped - start, time.time() - stepped, stats.num_running, stats.num_waiting,
+            totals[0] - last[0], totals[1] - last[1],
+        ))  # fmt: skip
+
+    def _write_trace(self) -> None:
+        if not self.trace_path or not self.trace:
+            return
+        header = "start_s,step_ms,send_ms,running,waiting,prompt_tokens,output_tokens\n"
+        with open(self.trace_path, "w") as f:
+            f.write(header)
+            for start, step, send, running, waiting, prompt, output in self.trace:
+                f.write(f"{start:.6f},{step * 1e3:.3f},{send * 1e3:.3f},{running},{waiting},"
+                        f"{prompt},{output}\n")  # fmt: skip
+        logger.info("step trace: %d steps written to %s", len(self.trace), self.trace_path)
 
     # ----- commands ----------------------------------------------------------------------
 

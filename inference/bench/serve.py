@@ -43,6 +43,7 @@ class RequestResult:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    start_time: float = 0.0  # wall clock (time.time()) when the request was sent
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -94,6 +95,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"))
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also write each request's send time, TTFT, E2E and inter-token gaps to the JSON",
+    )
     return parser
 
 
@@ -192,7 +198,7 @@ def _is_token_chunk(chunk: dict[str, Any]) -> bool:
 
 
 async def send_request(session, url: str, payload: dict[str, Any], headers) -> RequestResult:
-    result = RequestResult()
+    result = RequestResult(start_time=time.time())
     start = time.perf_counter()
     last = start
     chunks = 0
@@ -306,6 +312,15 @@ def summarize(
             value = percentile(values, q)
             latency[f"{name}_p{q}_ms"] = None if math.isnan(value) else round(value * 1000, 3)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    if getattr(args, "save_detailed", False):
+        latency["requests"] = [
+            {
+                "start_time": round(r.start_time, 6), "ok": r.ok, "error": r.error,
+                "output_tokens": r.output_tokens, "ttft_ms": round(r.ttft_s * 1e3, 3),
+                "e2e_ms": round(r.e2e_s * 1e3, 3), "itl_ms": [round(g * 1e3, 3) for g in r.itl_s],
+            }  # fmt: skip
+            for r in results
+        ]
     errors = sorted({r.error for r in results if not r.ok})
     return record(
         "serve",

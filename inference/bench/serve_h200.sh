@@ -11,6 +11,8 @@ if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/nul
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 PORT=8011
+# One CSV row per engine step (written when the server stops), for inference.bench.serve_trace.
+export PAGODA_STEP_TRACE="$OUT/serve_steps.csv"
 python3 -m inference.cli serve qwen2.5-1.5b --load-format dummy --host 127.0.0.1 --port $PORT \
   --disable-uvicorn-access-log --max-model-len 1024 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -22,9 +24,10 @@ grep -E "start-up by phase|KV cache" "$OUT/server.log" | tail -2
 for rate in 32 inf; do
   python3 -m inference.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 512 \
     --input-len 512 --output-len 128 --token-ids --request-rate $rate \
-    --output-json "$OUT/serve_qwen2.5-1.5b_rate${rate}.json" 2>&1 | tail -14
+    --save-detailed --output-json "$OUT/serve_qwen2.5-1.5b_rate${rate}.json" 2>&1 | tail -14
 done
 kill -TERM $SERVER; wait $SERVER; echo "server exit code $?"
+python3 -m inference.bench.serve_trace "$OUT/serve_qwen2.5-1.5b_rate32.json" "$PAGODA_STEP_TRACE"
 sleep 1
 if pgrep -f "multiprocessing.spawn import spawn_main" >/dev/null 2>&1; then
   echo "WARNING: an engine process outlived the server"; pgrep -af "spawn_main"

@@ -50,6 +50,9 @@ EXECUTE = "execute"
 # "Reply for the last step now": the engine waits for it without sending another step.
 FLUSH = "flush"
 _SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_decode_graphs")
+# "FILE[:FIRST[:COUNT]]": rank 0 runs torch.profiler over steps FIRST .. FIRST+COUNT-1
+# (default 200 and 50) and writes its kernels, ranked by GPU time, to FILE.
+PROFILE_ENV = "PAGODA_WORKER_PROFILE"
 
 
 def worker_main(args: WorkerArgs, conn) -> None:
@@ -133,6 +136,7 @@ class _Worker:
         stages its inputs."""
         conn = self.conn
         pending = None  # the last launched step, not answered yet
+        profiler = _StepProfiler.from_env() if self.rank == 0 else None
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
@@ -142,6 +146,8 @@ class _Worker:
             if method == SHUTDOWN:
                 return
             if method == EXECUTE:
+                if profiler is not None:
+                    profiler.before_step()
                 launched = self.launch(*payload)
                 if pending is not None:
                     self._answer(pending)
@@ -195,3 +201,67 @@ class _Worker:
         from inference.distributed.parallel_state import destroy_parallel
 
         destroy_parallel(self.parallel)
+
+
+class _StepProfiler:
+    """Where one rank's step time goes (see ``PROFILE_ENV``): a worker is its own process,
+    out of reach of a profiler started in the engine."""
+
+    def __init__(self, path: str, first: int, count: int) -> None:
+        self.path, self.first, self.count = path, first, count
+        self.step = 0
+        self.profile: Any = None
+        self.start = 0.0
+
+    @classmethod
+    def from_env(cls) -> _StepProfiler | None:
+        spec = os.environ.get(PROFILE_ENV)
+        if not spec:
+            return None
+        path, *numbers = spec.split(":")
+        first, count = ([int(n) for n in numbers] + [200, 50][len(numbers):])[:2]
+        return cls(path, first, count)
+
+    def before_step(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        if self.step == self.first:
+            if cuda:
+                torch.cuda.synchronize()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            self.profile = profile(activities=activities)
+            self.profile.__enter__()
+            self.start = time.perf_counter()
+        elif self.step == self.first + self.count and self.profile is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.start
+            self.profile.__exit__(None, None, None)
+            self._write(wall)
+            self.profile = None
+        self.step += 1
+
+    def _write(self, wall: float) -> None:
+        averages = self.profile.key_averages()
+        kernels = [e for e in averages if e.device_type.name == "CUDA"]
+        if kernels:  # GPU kernels by device time
+            rows = [(e.self_device_time_total, e.count, e.key) for e in kernels]
+            busy_us = sum(r[0] for r in rows)
+            what = f"GPU busy {busy_us / self.count / 1e3:.3f} ms/step ({busy_us / 1e6 / wall:.0%})"
+        else:  # CPU ranks: operators by their own CPU time
+            rows = [(e.self_cpu_time_total, e.count, e.key) for e in averages]
+            what = "CPU operators by self time"
+        rows.sort(reverse=True)
+        lines = [
+            f"rank 0, steps {self.first}..{self.first + self.count - 1}: "
+            f"{wall / self.count * 1e3:.3f} ms/step wall, {what}",
+            f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  name",
+        ]
+        for total_us, count, key in rows[:25]:
+            lines.append(
+                f"{total_us / self.count:9.1f} {count / self.count:10.1f} "
+                f"{total_us / max(count, 1):8.1f}  {key[:90]}"
+            )
+        with open(self.path, "w") as f:
+            f.write("\n".join(lines) + "\n")

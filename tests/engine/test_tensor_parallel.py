@@ -226,6 +226,17 @@ def test_closed_engine_refuses_work(llama_folder):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
 
 
+def test_worker_profile_writes_rank0_table(llama_folder, tmp_path, monkeypatch):
+    """PAGODA_WORKER_PROFILE: rank 0 profiles the chosen steps and writes a ranked table."""
+    report = tmp_path / "rank0.txt"
+    monkeypatch.setenv("PAGODA_WORKER_PROFILE", f"{report}:2:3")
+    with LLM(str(llama_folder), tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    header, columns, *rows = report.read_text().splitlines()
+    assert header.startswith("rank 0, steps 2..4:") and "ms/step wall" in header
+    assert columns.split()[:3] == ["us/step", "calls/step", "us/call"] and rows
+
+
 # -- configuration -------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ def bench(tmp_path, base_url: str, *extra: str) -> dict:
 @pytest.mark.parametrize(
     "extra",
     [
-        ("--request-rate", "20", "--token-ids", "--vocab-size", "300"),
+        ("--request-rate", "20", "--token-ids", "--vocab-size", "300", "--save-detailed"),
         ("--request-rate", "inf", "--endpoint", "chat", "--random-range-ratio", "0.5"),
     ],
     ids=["poisson-token-ids", "burst-chat-text"],
@@ -52,6 +52,13 @@ def test_bench_serve_reports_all_fields(tiny_server, tmp_path, capsys, extra):
     assert result["ttft_p50_ms"] <= result["ttft_p99_ms"] <= result["e2e_p99_ms"]
     assert result["output_tok_s"] > 0
     assert "Output throughput" in capsys.readouterr().out
+    if "--save-detailed" in extra:
+        requests = result["requests"]
+        assert len(requests) == 12 and all(r["ok"] for r in requests)
+        assert all(len(r["itl_ms"]) == r["output_tokens"] - 1 for r in requests)
+        assert all(r["ttft_ms"] <= r["e2e_ms"] and r["start_time"] > 0 for r in requests)
+    else:
+        assert "requests" not in result
 
 
 def test_bench_serve_counts_failures(tiny_server, tmp_path):

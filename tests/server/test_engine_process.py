@@ -13,6 +13,9 @@ import time
 import httpx
 from server_harness import FAULT_SEED, ServerThread, engine_failing_on_fault_seed, wait_until_gone
 
+from inference.bench import serve as bench_serve
+from inference.bench import serve_trace
+
 LONG = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
 
 
@@ -96,3 +99,31 @@ def test_engine_process_killed_mid_stream(tiny_model):
         assert_dead_server(server.base_url, "exited unexpectedly")
     finally:
         server.stop()
+
+
+def test_step_trace_records_every_step(tiny_model, tmp_path, monkeypatch, capsys):
+    """PAGODA_STEP_TRACE: the engine process writes one CSV row per step when it stops."""
+    trace = tmp_path / "steps.csv"
+    monkeypatch.setenv("PAGODA_STEP_TRACE", str(trace))
+    server = ServerThread(tiny_model, num_kv_blocks=64, max_num_seqs=4).start()
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+        bench_args = [
+            "--base-url", server.base_url, "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "4", "--token-ids", "--vocab-size", "300", "--save-detailed",
+            "--output-json", str(tmp_path / "bench.json"),
+        ]  # fmt: skip
+        assert bench_serve.main(bench_args) == 0
+    finally:
+        server.stop()
+    pid = server.engine.engine_pid
+    assert wait_until_gone(pid, 10)
+    header, *rows = trace.read_text().splitlines()
+    assert header.split(",")[:3] == ["start_s", "step_ms", "send_ms"]
+    columns = list(zip(*(map(float, row.split(",")) for row in rows), strict=True))
+    # The first request's tokens, then the bench's warm-up (8 + 4) and its 4 x (8 + 4).
+    assert sum(columns[5]) == 4 + 5 * 8 and sum(columns[6]) == 6 + 5 * 4
+    assert all(ms >= 0 for ms in columns[1])
+    assert serve_trace.main([str(tmp_path / "bench.json"), str(trace)]) == 0
+    assert "engine steps during the run" in capsys.readouterr().out
