@@ -134,7 +134,7 @@ class LLMEngine:
         check_capacity(config, num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
         t2 = time.perf_counter()
-        capture_s = self.runner.capture_decode_graphs()
+        capture_s = self.runner.capture_graphs()
         self.num_total_blocks = num_blocks
         self.startup_phases = {
             "load_s": round(self.runner.load_seconds, 2),

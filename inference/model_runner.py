@@ -57,7 +57,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
-        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         # The last step's sampled ids, where the next step's placeholders read them.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
 
@@ -159,13 +159,14 @@ class ModelRunner:
         )
         return to_device(inputs.input_ids), to_device(inputs.positions), meta
 
-    def capture_decode_graphs(self) -> float:
-        """CUDA graphs for decode steps; returns seconds spent. No-op on CPU or eager."""
+    def capture_graphs(self) -> float:
+        """CUDA graphs for decode and mixed steps (``StepGraphs``); returns seconds spent.
+        On CPU nothing to do; with ``enforce_eager`` only the warm-up."""
         if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
         if not self.config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self)
+            self.graphs = StepGraphs(self)
         self._warm_up_attention_variants()
         return time.perf_counter() - start
 
@@ -237,7 +238,7 @@ class ModelRunner:
         self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
     ) -> StepHandle:
         """The same from host arrays: what a tensor-parallel worker receives."""
-        graphs = self.decode_graphs
+        graphs = self.graphs
         if graphs is not None and graphs.fits(inputs):
             hidden = graphs.run(inputs)
         else:
@@ -329,92 +330,171 @@ def build_step_inputs(
     )
 
 
-class DecodeGraphs:
-    """One CUDA graph per bucketed batch size for pure-decode steps (one new token per
-    sequence): a step replays a recorded graph instead of launching every kernel from
-    Python. Inputs live in static buffers that each step overwrites in place; a batch is
-    padded up to the next bucket with rows that write nowhere (slot -1) and attend to one
-    token, whose outputs are ignored."""
+# Token counts at which mixed steps (prefills, chunked prefills, prefills with decodes)
+# replay a graph. Launching a step's ~15 kernels per layer from Python costs 10-15 ms on
+# a 28-layer model, many times the GPU time of a 512-token prefill; past 2048 tokens the
+# GPU time dominates and the step runs eagerly.
+MIXED_GRAPH_TOKENS = (
+    16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
+    1792, 2048,
+)  # fmt: skip
+DECODE_GRAPH_BATCHES = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640,
+    768, 896, 1024,
+)  # fmt: skip
+
+
+def _bucket(sizes: list[int], n: int) -> int:
+    return next(size for size in sizes if size >= n)
+
+
+def pad_step_inputs(
+    inputs: StepInputs, size: int, rows: int, tokens: np.ndarray, seqs: np.ndarray
+) -> None:
+    """Lay a step out for a graph of ``size`` tokens and ``rows`` sequences: ``tokens``
+    [3, >= size] gets input ids, positions and slots; ``seqs`` [2, >= rows + 1] gets
+    sequence lengths and query start offsets. Padding tokens write nowhere (slot -1).
+    Decode (``rows == size``): each padding row is a sequence of one token. Mixed: the
+    padding tokens form one sequence after the real ones, and the remaining rows are empty
+    (no query tokens). Either way the real rows' results do not change."""
+    n, b = len(inputs.input_ids), inputs.num_seqs
+    tokens[0, :n] = inputs.input_ids
+    tokens[1, :n] = inputs.positions
+    tokens[2, :n] = inputs.slot_mapping
+    tokens[0, n:size], tokens[1, n:size], tokens[2, n:size] = 0, 0, -1
+    seqs[0, :b] = inputs.seq_lens
+    seqs[1, : b + 1] = inputs.query_start_loc
+    if rows == size and inputs.max_query_len == 1:
+        seqs[0, b:rows] = 1
+        seqs[1, b + 1 : rows + 1] = np.arange(n + 1, size + 1)
+    else:
+        seqs[0, b] = size - n
+        seqs[0, b + 1 : rows] = 0
+        seqs[1, b + 1 : rows + 1] = size
+
+
+class StepGraphs:
+    """CUDA graphs for steps, so that a step replays one recorded graph instead of
+    launching every kernel from Python:
+
+    - decode steps (one new token per sequence), one graph per bucketed batch size; padded
+      rows write nowhere (slot -1) and attend to one token;
+    - mixed steps (any step with a longer query), one graph per bucketed token count, each
+      with room for every sequence the scheduler may batch. The padding tokens form one
+      extra sequence that writes nowhere; the rows after it are empty (no query tokens),
+      so their attention programs exit at once.
+
+    Inputs live in static buffers that each step overwrites in place; outputs of padding
+    rows are ignored."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         cfg = runner.config
         device = runner.device
         max_bs = cfg.max_num_seqs
-        self.batch_sizes = sorted(
-            {b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
-                         384, 448, 512, 640, 768, 896, 1024) if b <= max_bs} | {max_bs}
-        )
+        self.batch_sizes = sorted({b for b in DECODE_GRAPH_BATCHES if b <= max_bs} | {max_bs})
+        self.token_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= cfg.max_num_batched_tokens]
+        self.max_seqs = max_bs + 1  # rows of a mixed step: the sequences, then the padding
+        max_tokens = max([max_bs, *self.token_sizes])
         max_blocks = -(-cfg.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(self.max_seqs, dtype=torch.int32, device=device)
+        self.decode_query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.mixed_query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32,
+                                                 device=device)  # fmt: skip
+        self.block_tables = torch.zeros((self.max_seqs, max_blocks), dtype=torch.int32,
+                                        device=device)  # fmt: skip
         # Pinned staging, two sets used in turn: with async scheduling the host fills one
         # while the previous step's copies from the other may still be queued.
-        self.host_inputs_tensors = [
-            torch.zeros((4, max_bs), dtype=torch.int64).pin_memory() for _ in range(2)
+        self.host_tokens = [
+            torch.zeros((3, max_tokens), dtype=torch.int64).pin_memory() for _ in range(2)
         ]
-        self.host_tables_tensors = [
-            torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory() for _ in range(2)
+        self.host_seqs = [
+            torch.zeros((2, self.max_seqs + 1), dtype=torch.int64).pin_memory() for _ in range(2)
+        ]
+        self.host_tables = [
+            torch.zeros(self.max_seqs * max_blocks, dtype=torch.int32).pin_memory()
+            for _ in range(2)
         ]
         self.num_runs = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # Largest first: the first capture sizes the pool that every later one shares.
+        shapes = [("mixed", t) for t in reversed(self.token_sizes)]
+        shapes += [("decode", b) for b in reversed(self.batch_sizes)]
         with torch.inference_mode():
-            for bs in reversed(self.batch_sizes):  # largest first: it sizes the shared pool
-                meta = self._meta(bs)
-                args = (self.input_ids[:bs], self.positions[:bs], meta)
+            for kind, size in shapes:
+                args = self._capture_inputs(kind, size)
                 runner.forward(*args)  # compile/warm every kernel outside the capture
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = runner.forward(*args)
-                self.graphs[bs] = (graph, out)
+                self.graphs[kind, size] = (graph, out)
         torch.cuda.synchronize(device)
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            seq_lens=self.seq_lens[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
-            max_query_len=1,
-        )
+    def _capture_inputs(self, kind: str, size: int):
+        if kind == "decode":
+            self.seq_lens[:size].fill_(1)
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:size],
+                block_tables=self.block_tables[:size],
+                seq_lens=self.seq_lens[:size],
+                query_start_loc=self.decode_query_start_loc[: size + 1],
+                max_query_len=1,
+            )
+        else:
+            # Recorded with all tokens in the first row; replays bring their own layout.
+            self.mixed_query_start_loc.fill_(size)
+            self.mixed_query_start_loc[0] = 0
+            self.seq_lens.zero_()
+            self.seq_lens[0] = size
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:size],
+                block_tables=self.block_tables,
+                seq_lens=self.seq_lens,
+                query_start_loc=self.mixed_query_start_loc,
+                max_query_len=size,
+            )
+        return self.input_ids[:size], self.positions[:size], meta
 
     def fits(self, inputs: StepInputs) -> bool:
-        return inputs.max_query_len == 1 and inputs.num_seqs <= self.batch_sizes[-1]
+        if inputs.max_query_len == 1:
+            return inputs.num_seqs <= self.batch_sizes[-1]
+        return bool(self.token_sizes) and len(inputs.input_ids) <= self.token_sizes[-1]
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        n = inputs.num_seqs
-        bs = next(b for b in self.batch_sizes if b >= n)
-        # Staged in pinned host buffers, one copy per field; padded rows get harmless
-        # values. The set used two steps ago is free again: that step's sampled ids have
-        # been read back, so its copies are done.
+        n = len(inputs.input_ids)
+        b = inputs.num_seqs
+        decode = inputs.max_query_len == 1
+        size = _bucket(self.batch_sizes if decode else self.token_sizes, n)
+        # Staged in pinned host buffers, one copy per group; padding gets harmless values.
+        # The set used two steps ago is free again: that step's sampled ids have been read
+        # back, so its copies are done.
         which = self.num_runs % 2
         self.num_runs += 1
-        host_inputs_tensor = self.host_inputs_tensors[which]
-        host = host_inputs_tensor.numpy()[:, :bs]
-        host[0, :n] = inputs.input_ids
-        host[1, :n] = inputs.positions
-        host[2, :n] = inputs.slot_mapping
-        host[3, :n] = inputs.seq_lens
-        host[0, n:], host[1, n:], host[2, n:], host[3, n:] = 0, 0, -1, 1
-        staged = host_inputs_tensor[:, :bs].to(self.runner.device, non_blocking=True)
-        self.input_ids[:bs].copy_(staged[0])
-        self.positions[:bs].copy_(staged[1])
-        self.slot_mapping[:bs].copy_(staged[2])
-        self.seq_lens[:bs].copy_(staged[3])
+        device = self.runner.device
+        host_tokens, host_seqs = self.host_tokens[which], self.host_seqs[which]
+        rows = size if decode else self.max_seqs
+        pad_step_inputs(inputs, size, rows, host_tokens.numpy(), host_seqs.numpy())
+        staged = host_tokens[:, :size].to(device, non_blocking=True)
+        self.input_ids[:size].copy_(staged[0])
+        self.positions[:size].copy_(staged[1])
+        self.slot_mapping[:size].copy_(staged[2])
+        if decode:  # the decode graphs' query_start_loc never changes
+            self.seq_lens[:size].copy_(host_seqs[0, :size].to(device, non_blocking=True))
+        else:
+            staged = host_seqs[:, : rows + 1].to(device, non_blocking=True)
+            self.seq_lens.copy_(staged[0, :rows])
+            self.mixed_query_start_loc.copy_(staged[1])
         width = inputs.block_tables.shape[1]
-        host_tables_tensor = self.host_tables_tensors[which]
-        host_tables_tensor.numpy()[: n * width].reshape(n, width)[:] = inputs.block_tables
-        self.block_tables[:n, :width].copy_(
-            host_tables_tensor[: n * width].view(n, width).to(
-                self.runner.device, non_blocking=True
-            )
+        host_tables = self.host_tables[which]
+        host_tables.numpy()[: b * width].reshape(b, width)[:] = inputs.block_tables
+        self.block_tables[:b, :width].copy_(
+            host_tables[: b * width].view(b, width).to(device, non_blocking=True)
         )
-        graph, out = self.graphs[bs]
+        graph, out = self.graphs["decode" if decode else "mixed", size]
         graph.replay()
         return out[:n]

@@ -48,6 +48,7 @@ DTYPE = torch.bfloat16
 TOLERANCE = 1e-2
 ROTATE_BYTES = 300 * 1024 * 1024  # weights rotated per timing: 5x the 60 MB L2
 MS = (1, 2, 4, 8, 16)
+MS_RUN = list(MS)  # what a run covers (--ms)
 # model -> projection -> (N, K, bias)
 SHAPES: dict[str, dict[str, tuple[int, int, bool]]] = {
     "1.5B": {"qkv": (2048, 1536, True), "o": (1536, 1536, False),
@@ -59,7 +60,16 @@ SHAPES: dict[str, dict[str, tuple[int, int, bool]]] = {
     "8B": {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
            "gate_up": (28672, 4096, False), "down": (4096, 14336, False),
            "lm_head": (128256, 4096, False)},
+    # One rank's shards at tensor_parallel_size=2 (column-parallel qkv and gate_up halve
+    # N, row-parallel o and down halve K; the vocabulary is split too).
+    "7B-tp2": {"qkv": (2304, 3584, True), "o": (3584, 1792, False),
+               "gate_up": (18944, 3584, False), "down": (3584, 9472, False),
+               "lm_head": (76032, 3584, False)},
+    "8B-tp2": {"qkv": (3072, 4096, False), "o": (4096, 2048, False),
+               "gate_up": (14336, 4096, False), "down": (4096, 7168, False),
+               "lm_head": (64128, 4096, False)},
 }  # fmt: skip
+MODELS = ["1.5B", "7B", "8B"]  # what a run covers (--models)
 DEVICE = torch.device("cuda")
 results: dict[str, Any] = {"checks": [], "sweep": [], "best": [], "gated": [], "confirm": []}
 deadline = math.inf
@@ -339,7 +349,8 @@ def sweep_gated(model: str, n2: int, k: int, m: int, sms: int) -> None:
 
 def projection_cases(include_lm_head: bool) -> list[tuple[str, str, int, int, bool]]:
     cases = []
-    for model, projections in SHAPES.items():
+    for model in MODELS:
+        projections = SHAPES[model]
         for proj, (n, k, bias) in projections.items():
             if proj != "lm_head" or include_lm_head:
                 cases.append((model, proj, n, k, bias))
@@ -351,28 +362,28 @@ def run_sweep(workers: int) -> None:
     main_cases = projection_cases(False)
     items = []
     for _, _, n, k, bias in main_cases:
-        for m in MS:
+        for m in MS_RUN:
             items += [(m, n, k, bias, c, False) for c in candidates(m, n, k, sms)]
-    for model in SHAPES:
+    for model in MODELS:
         n2, k, _ = SHAPES[model]["gate_up"]
-        for m in MS[:4]:
+        for m in [m for m in MS_RUN if m <= 8]:
             items += [(m, n2, k, False, c, True) for c in fma_candidates(m, n2, k, sms, True)]
     items += [(m, n, k, bias, c, False) for n, k, bias, m, c in check_cases(sms)]
     precompile(items, workers)
     for model, proj, n, k, bias in main_cases:
-        for m in MS:
+        for m in MS_RUN:
             if out_of_time(40):
                 print(f"out of time: skipped {model} {proj} m={m} and later cases")
                 return
             sweep_case(model, proj, n, k, bias, m, sms)
         flush()
-    for model in SHAPES:
+    for model in MODELS:
         n2, k, _ = SHAPES[model]["gate_up"]
-        for m in MS[:4]:
+        for m in [m for m in MS_RUN if m <= 8]:
             if not out_of_time(30):
                 sweep_gated(model, n2, k, m, sms)
     flush()
-    for model in SHAPES:  # LM heads: a few configs only (already near bandwidth in cuBLAS)
+    for model in MODELS:  # LM heads: a few configs only (already near bandwidth in cuBLAS)
         n, k, _ = SHAPES[model]["lm_head"]
         for m in (1, 4, 16):
             if out_of_time(30):
@@ -407,7 +418,7 @@ def run_confirm() -> None:
     from kernels.linear import choose_config, choose_gated_config
 
     for model, proj, n, k, bias in projection_cases(True):
-        for m in MS:
+        for m in MS_RUN:
             if out_of_time(20):
                 print(f"out of time before {model} {proj} m={m}")
                 return
@@ -581,9 +592,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--explore", action="store_true", help="confirm: then try more tilings")
     parser.add_argument("--budget-s", type=float, default=270.0)
+    parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=MODELS)
+    parser.add_argument("--ms", nargs="+", type=int, choices=MS, default=list(MS))
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
+    MODELS[:] = args.models
+    MS_RUN[:] = args.ms
     _path = out_path(args)
     props = torch.cuda.get_device_properties(0)
     results["env"] = {"device": props.name, "sms": props.multi_processor_count,

@@ -126,8 +126,8 @@ class MultiprocExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call_all(("allocate_kv_cache", num_blocks))
 
-    def capture_decode_graphs(self) -> float:
-        return max(self._call_all(("capture_decode_graphs",)))
+    def capture_graphs(self) -> float:
+        return max(self._call_all(("capture_graphs",)))
 
     def launch(
         self,

@@ -49,7 +49,7 @@ SHUTDOWN = "shutdown"
 EXECUTE = "execute"
 # "Reply for the last step now": the engine waits for it without sending another step.
 FLUSH = "flush"
-_SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_decode_graphs")
+_SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_graphs")
 # "FILE[:FIRST[:COUNT]]": rank 0 runs torch.profiler over steps FIRST .. FIRST+COUNT-1
 # (default 200 and 50) and writes its kernels, ranked by GPU time, to FILE.
 PROFILE_ENV = "PAGODA_WORKER_PROFILE"
@@ -169,8 +169,8 @@ class _Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def capture_decode_graphs(self) -> float:
-        return self.runner.capture_decode_graphs()
+    def capture_graphs(self) -> float:
+        return self.runner.capture_graphs()
 
     # -- one step ------------------------------------------------------------------------
     def _answer(self, handle: Any) -> None:

@@ -114,3 +114,28 @@ def test_head_size_32_and_256() -> None:
         torch.manual_seed(head_size)
         batch = make_batch([3, 1], [10, 21], 4, 2, head_size, 16, torch.float32)
         check(batch, torch.float32)
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_mixed_graph_layout(num_segments: int) -> None:
+    """A mixed step as its CUDA graph lays it out: the real sequences, one sequence made of
+    the padding tokens, then empty rows (no queries, no context) up to the graph's width.
+    The real rows come out as without the padding."""
+    torch.manual_seed(5 + num_segments)
+    query_lens, context_lens = [1, 12, 1, 5], [33, 12, 2, 30]
+    real = make_batch(query_lens, context_lens, 4, 2, 64, 16, torch.float32)
+    padded = make_batch([*query_lens, 3, 0, 0, 0], [*context_lens, 3, 0, 0, 0], 4, 2, 64, 16,
+                        torch.float32)  # fmt: skip
+    for name in ("k_cache", "v_cache"):
+        padded[name] = real[name]
+    padded["block_tables"][: len(query_lens)] = real["block_tables"]
+    padded["block_tables"][len(query_lens) :] = 0  # stale but valid ids, as in a graph
+    padded["q"][: real["q"].shape[0]] = real["q"]
+    scale = 64**-0.5
+    from kernels._triton import attention as triton_attention
+
+    out = triton_attention.paged_attention(
+        **padded, scale=scale, max_query_len=19, num_segments=num_segments
+    )
+    expected = paged_attention_ref(**real, scale=scale)
+    assert rel_err(out[: real["q"].shape[0]], expected) <= 2 * TOLERANCE[torch.float32]
