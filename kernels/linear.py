@@ -24,9 +24,22 @@ _GPU_DTYPES = (torch.float16, torch.bfloat16)  # the table was measured in bf16
 
 
 def linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    """``F.linear``; with ``out`` (contiguous, M x N elements) the result is written there."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    shape = (*x.shape[:-1], weight.shape[0])
+    flat = out.view(-1, weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=flat)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=flat)
+    return out.view(shape)
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -61,14 +74,27 @@ def choose_config(
     return _gemv_table.lookup(m, n, k, torch.finfo(dtype).bits // 8)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``. ``out``: a contiguous tensor of x's dtype and device
+    with M x N elements to write the result into (a tensor-parallel layer passes the
+    all-reduce's staging buffer, saving a copy)."""
+    if out is not None and (
+        not out.is_contiguous() or out.dtype != x.dtype or out.device != x.device
+        or out.numel() != x.numel() // max(x.shape[-1], 1) * weight.shape[0]
+    ):  # fmt: skip
+        raise ValueError("linear: out must be contiguous, of x's dtype and device, M x N")
     triton_ops = kernel_for("linear", x)
     if triton_ops is not None and _eligible(x, weight, bias):
         m = x.numel() // x.shape[-1]
         config = choose_config(m, weight.shape[0], weight.shape[1], x.dtype, x.device)
         if config is not None:
-            return triton_ops.linear(x, weight, bias, config)
-    return linear_ref(x, weight, bias)
+            return triton_ops.linear(x, weight, bias, config, out)
+    return linear_ref(x, weight, bias, out)
 
 
 def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

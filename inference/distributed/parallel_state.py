@@ -30,15 +30,26 @@ class ParallelContext:
         return self.world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns ``tensor``."""
+        """The sum over ranks: ``tensor`` itself, summed in place, or a new tensor when
+        ``tensor`` lives in the staging buffer handed out by ``all_reduce_input``."""
         if self.world_size == 1:
             return tensor
-        if self.small_all_reduce is not None and self.small_all_reduce(tensor):
-            return tensor
+        if self.small_all_reduce is not None:
+            result = self.small_all_reduce(tensor)
+            if result is not None:
+                return result
         import torch.distributed as dist
 
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def all_reduce_input(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to write a [rows, cols] result that is all-reduced next: the small
+        all-reduce's staging buffer when it will take the tensor (the producer writes there
+        and the copy into it is saved), else None (allocate as usual)."""
+        if self.small_all_reduce is None:
+            return None
+        return self.small_all_reduce.input_buffer(rows, cols, dtype)
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along the last dimension, rank order."""
@@ -103,19 +114,30 @@ class SymmetricMemoryAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._out_op = getattr(torch.ops.symm_mem, "one_shot_all_reduce_out", None)
 
-    def __call__(self, tensor: torch.Tensor) -> bool:
-        """Sums ``tensor`` in place and returns True, or returns False (not handled)."""
+    def input_buffer(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if dtype != self.dtype or rows * cols > self.buffer.numel():
+            return None
+        return self.buffer[: rows * cols].view(rows, cols)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The sum of ``tensor`` over the group, or None (not handled: too big, another
+        dtype, not contiguous). In place, unless ``tensor`` is the staging buffer itself
+        (see ``input_buffer``): then the sum is a new tensor."""
         n = tensor.numel()
         if n > self.buffer.numel() or tensor.dtype != self.dtype or not tensor.is_contiguous():
-            return False
+            return None
         staged = self.buffer[:n]
-        staged.copy_(tensor.view(-1))
-        if self._out_op is not None:
-            self._out_op(staged, "sum", self.group_name, tensor.view(-1))
+        if tensor.data_ptr() == staged.data_ptr():
+            result = torch.empty_like(tensor)
         else:
-            tensor.view(-1).copy_(torch.ops.symm_mem.one_shot_all_reduce(staged, "sum",
+            staged.copy_(tensor.view(-1))
+            result = tensor
+        if self._out_op is not None:
+            self._out_op(staged, "sum", self.group_name, result.view(-1))
+        else:
+            result.view(-1).copy_(torch.ops.symm_mem.one_shot_all_reduce(staged, "sum",
                                                                          self.group_name))
-        return True
+        return result
 
 
 def with_small_all_reduce(context: ParallelContext, device: torch.device,
@@ -140,7 +162,12 @@ def with_small_all_reduce(context: ParallelContext, device: torch.device,
         probe = torch.full((4096,), float(context.rank + 1), dtype=dtype, device=device)
         expected = probe.clone()
         dist.all_reduce(expected, group=context.group)
-        if not fast(probe) or not torch.equal(probe, expected):
+        if fast(probe) is None or not torch.equal(probe, expected):
+            raise RuntimeError("symmetric-memory all-reduce disagrees with NCCL")
+        # Written straight into the staging buffer, as the layers do: the same sum.
+        staged = fast.input_buffer(1, 4096, dtype)
+        staged.fill_(float(context.rank + 1))
+        if not torch.equal(fast(staged).view(-1), expected):
             raise RuntimeError("symmetric-memory all-reduce disagrees with NCCL")
     except Exception as exc:  # noqa: BLE001 - any failure means: keep NCCL
         logging.getLogger(__name__).warning(

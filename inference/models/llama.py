@@ -36,10 +36,15 @@ from kernels.linear import MAX_M as SKINNY_MAX_M
 _SKINNY_MAX_TOKENS = SKINNY_MAX_M
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     if x.shape[0] <= _SKINNY_MAX_TOKENS:
-        return kernels.linear(x, weight, bias)
-    return nn.functional.linear(x, weight, bias)
+        return kernels.linear(x, weight, bias, out)
+    return kernels.linear_ref(x, weight, bias, out)
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -95,7 +100,10 @@ class DecoderLayer(nn.Module):
             gated = kernels.linear_silu_and_mul(hidden, self.gate_up_proj)
         else:
             gated = kernels.silu_and_mul(nn.functional.linear(hidden, self.gate_up_proj))
-        hidden = _linear(gated, self.down_proj)
+        # Row-parallel: written straight into the all-reduce's staging buffer where it has one.
+        staging = self.parallel.all_reduce_input(gated.shape[0], self.down_proj.shape[0],
+                                                 gated.dtype)  # fmt: skip
+        hidden = _linear(gated, self.down_proj, out=staging)
         return self.parallel.all_reduce(hidden), residual
 
     def _attention(
@@ -129,7 +137,8 @@ class DecoderLayer(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
         )
-        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        staging = self.parallel.all_reduce_input(num_tokens, self.o_proj.shape[0], out.dtype)
+        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, out=staging)
         return self.parallel.all_reduce(out)
 
 

@@ -264,12 +264,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear`` semantics for x [..., K]; the caller checked eligibility."""
+    """``F.linear`` semantics for x [..., K]; the caller checked eligibility (and that
+    ``out``, if given, is contiguous with M x N elements)."""
     rows = _rows(x)
-    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    launch(rows, weight, bias, out, config)
+    if out is None:
+        out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    launch(rows, weight, bias, out.view(rows.shape[0], weight.shape[0]), config)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

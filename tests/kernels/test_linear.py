@@ -35,9 +35,9 @@ def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[GemvConfig]:
     calls: list[GemvConfig] = []
     original = triton_linear.linear
 
-    def spy(x, weight, bias, config):  # type: ignore[no-untyped-def]
+    def spy(x, weight, bias, config, out=None):  # type: ignore[no-untyped-def]
         calls.append(config)
-        return original(x, weight, bias, config)
+        return original(x, weight, bias, config, out)
 
     monkeypatch.setattr(triton_linear, "linear", spy)
     return calls
@@ -94,6 +94,22 @@ def test_leading_dims_and_strided_x(triton_calls: list) -> None:
     assert len(triton_calls) == 2
 
 
+@pytest.mark.parametrize("m", [2, 40])  # the Triton kernel, then F.linear's size
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_into_out(m: int, bias: bool, triton_calls: list) -> None:
+    """``out=``: the result lands in the given buffer (a tensor-parallel all-reduce's
+    staging memory), viewed in x's leading shape."""
+    x, weight, b = inputs(m, 24, 48, torch.float32, bias=bias, seed=m)
+    buffer = torch.full((m * 24 + 8,), float("nan"))
+    out = linear(x.view(m, 1, 48), weight, b, out=buffer[: m * 24])
+    assert out.shape == (m, 1, 24) and out.data_ptr() == buffer.data_ptr()
+    assert rel_err(buffer[: m * 24].view(m, 24), truth(x, weight, b)) <= 1e-5
+    assert buffer[m * 24 :].isnan().all()
+    assert len(triton_calls) == (1 if m <= 16 else 0)
+    with pytest.raises(ValueError, match="out must be"):
+        linear(x, weight, b, out=buffer[: m * 24 - 1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 def test_linear_silu_and_mul(dtype: torch.dtype, m: int) -> None:
@@ -139,6 +155,8 @@ def test_gpu_dispatch_table() -> None:
     assert choose_config(1, 3000, 2000, bf16, cuda) == _gemv_table.GENERIC_M1
     assert choose_config(2, 3000, 2000, bf16, cuda) is None
     assert choose_config(1, 256, 2000, bf16, cuda) is None  # outside the measured range
+    assert choose_config(1, 2304, 3584, bf16, cuda) == _gemv_table.TABLE[(2304, 3584)][0][1]
+    assert choose_gated_config(2, 18944, 3584, bf16, cuda) is not None  # 7B gate_up at TP=2
     assert choose_gated_config(1, 17920, 1536, bf16, cuda) is not None
     assert choose_gated_config(4, 17920, 1536, bf16, cuda) is None
     assert choose_gated_config(1, 1000, 1536, bf16, cuda) is None
