@@ -166,7 +166,15 @@ class ModelRunner:
             return 0.0
         start = time.perf_counter()
         if not self.config.enforce_eager:
+            before = torch.cuda.memory_reserved(self.device)
             self.graphs = StepGraphs(self)
+            # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
+            logger.info(
+                "CUDA graphs: %d decode (batch <= %d), %d mixed (tokens <= %d); %.2f GiB",
+                len(self.graphs.batch_sizes), self.graphs.batch_sizes[-1],
+                len(self.graphs.token_sizes), max(self.graphs.token_sizes, default=0),
+                (torch.cuda.memory_reserved(self.device) - before) / _GIB,
+            )
         self._warm_up_attention_variants()
         return time.perf_counter() - start
 
