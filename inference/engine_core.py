@@ -127,10 +127,7 @@ class _StartError(Exception):
 class _CoreRequest:
     """What has been sent of one request, and its latency bookkeeping."""
 
-    __slots__ = (
-        "arrival", "holdback", "sent_tokens", "sent_chars", "done", "num_tokens",
-        "last_token_time",
-    )  # fmt: skip
+    __slots__ = ("arrival", "holdback", "sent_chars", "done", "last_token_time")
 
     def __init__(self, arrival: float, params: SamplingParams) -> None:
         self.arrival = arrival
@@ -140,10 +137,8 @@ class _CoreRequest:
         self.holdback = (
             max(len(s) for s in stops) - 1 if stops and not params.include_stop_str_in_output else 0
         )
-        self.sent_tokens = [0] * params.n
         self.sent_chars = [0] * params.n
         self.done = [False] * params.n
-        self.num_tokens = 0
         self.last_token_time: float | None = None
 
 
@@ -219,6 +214,7 @@ class EngineCore:
         try:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
+            engine.delta_outputs = True  # each step's outputs: only what is new
             # What exists now (model, tokenizer, caches) lives for the whole process: keep it
             # out of the cyclic collector, whose full passes would otherwise stall steps.
             gc.collect()
@@ -347,7 +343,6 @@ class EngineCore:
                 else:
                     timings.itl.append(now - request.last_token_time)
                 request.last_token_time = now
-                request.num_tokens += num_new
             finished = output.finished
             if finished:
                 del requests[output.request_id]
@@ -382,12 +377,12 @@ class EngineCore:
 
 
 def _completion_delta(request: _CoreRequest, completion: Any) -> tuple | None:
+    """What to send of one completion's delta output (new token ids and logprobs; the
+    text is cumulative and is cut here, holding back a possible stop string's start)."""
     index = completion.index
     if request.done[index]:
         return None
-    token_ids = completion.token_ids
-    sent = request.sent_tokens[index]
-    new_ids = token_ids[sent:]
+    new_ids = completion.token_ids
     text = completion.text
     finish_reason = completion.finish_reason
     sent_chars = request.sent_chars[index]
@@ -397,16 +392,13 @@ def _completion_delta(request: _CoreRequest, completion: Any) -> tuple | None:
     new_text = text[sent_chars:end] if end > sent_chars else ""
     if not new_ids and not new_text and finish_reason is None:
         return None
-    logprobs = completion.logprobs
-    new_logprobs = logprobs[sent:] if logprobs is not None else None
-    request.sent_tokens[index] = len(token_ids)
     if end > sent_chars:
         request.sent_chars[index] = end
     if finish_reason is not None:
         request.done[index] = True
     return (
-        index, new_ids, new_text, new_logprobs, completion.cumulative_logprob, finish_reason,
-        completion.stop_reason,
+        index, new_ids, new_text, completion.logprobs, completion.cumulative_logprob,
+        finish_reason, completion.stop_reason,
     )  # fmt: skip
 
 

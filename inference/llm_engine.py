@@ -120,6 +120,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         # Streaming callers want every step's progress; batch callers only final outputs.
         self.emit_unfinished_outputs = True
+        # Delta outputs: each output carries only the token ids and logprobs produced since
+        # the request's previous output (text stays cumulative), so a long stream does not
+        # copy its whole history every step. The engine core (the server's engine) sets it.
+        self.delta_outputs = False
         self._next_seq_id = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -395,15 +399,21 @@ class LLMEngine:
 
     def _make_output(self, request: _Request) -> RequestOutput:
         wants_logprobs = request.params.logprobs is not None
+        delta = self.delta_outputs
         completions = []
         for seq, detok in zip(request.seqs, request.detokenizers):
+            known = seq.num_output_tokens
+            start = seq.num_emitted_tokens if delta else 0
+            if delta:
+                seq.num_emitted_tokens = known
+            offset = seq.num_prompt_tokens
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     text=detok.text if detok is not None else "",
-                    token_ids=seq.output_token_ids,
+                    token_ids=seq.token_ids[offset + start : offset + known],
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=list(seq.logprobs) if wants_logprobs else None,
+                    logprobs=seq.logprobs[start:known] if wants_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

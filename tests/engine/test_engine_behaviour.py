@@ -221,3 +221,33 @@ def test_dtypes_run(tmp_path):
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_delta_outputs_add_up_to_the_cumulative_output(llm, async_scheduling):
+    """delta_outputs (the server's engine): each step's output holds only new token ids and
+    logprobs; together they are exactly the finished cumulative output."""
+    engine = llm.engine
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=20, ignore_eos=True,
+                            logprobs=2)  # fmt: skip
+    expected = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    engine.emit_unfinished_outputs, engine.delta_outputs = True, True
+    engine.async_scheduling = async_scheduling
+    try:
+        engine.add_request("delta", PROMPTS[1], params)
+        ids: dict[int, list] = {0: [], 1: []}
+        logprobs: dict[int, list] = {0: [], 1: []}
+        last = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    ids[c.index] += c.token_ids
+                    logprobs[c.index] += c.logprobs
+                    last[c.index] = c
+    finally:
+        engine.emit_unfinished_outputs, engine.delta_outputs = False, False
+        engine.async_scheduling = True
+    for c in expected.outputs:
+        assert ids[c.index] == c.token_ids
+        assert logprobs[c.index] == c.logprobs
+        assert last[c.index].text == c.text and last[c.index].finish_reason == "length"
