@@ -37,7 +37,7 @@ from inference.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from inference.sampler import RowLogprobs, SamplingMetadata, has_penalties
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
-from inference.sequence import Sequence
+from inference.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,11 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        # A loop, not all(genexpr): this runs for every request every step.
+        for seq in self.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
 
 class LLMEngine:
@@ -313,7 +317,7 @@ class LLMEngine:
         for request in touched.values():
             finished = request.finished
             if finished or self.emit_unfinished_outputs:
-                outputs.append(self._make_output(request))
+                outputs.append(self._make_output(request, finished))
             if finished:
                 del self.requests[request.request_id]
 
@@ -397,7 +401,7 @@ class LLMEngine:
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, request: _Request) -> RequestOutput:
+    def _make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
         wants_logprobs = request.params.logprobs is not None
         delta = self.delta_outputs
         completions = []
@@ -419,12 +423,19 @@ class LLMEngine:
                 )
             )
         first = request.seqs[0]
-        finished = request.finished
+        if finished is None:
+            finished = request.finished
+        last_token_time = first.last_token_time
+        for seq in request.seqs[1:]:
+            if seq.last_token_time is not None and (
+                last_token_time is None or seq.last_token_time > last_token_time
+            ):
+                last_token_time = seq.last_token_time
         metrics = RequestMetrics(
             arrival_time=request.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
-            last_token_time=max((s.last_token_time or 0.0) for s in request.seqs) or None,
+            last_token_time=last_token_time,
             finished_time=time.time() if finished else None,
         )
         return RequestOutput(
