@@ -224,9 +224,9 @@ class EngineCore:
         except Exception as exc:
             raise _StartError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
         info = EngineInfo.from_engine(engine, tokenizer_path)
-        stats = engine.stats()
+        stats = plain_stats(engine.stats())
         self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
-        self._send([("ready", info, plain_stats(engine.stats()), self.num_adds)])
+        self._send([("ready", info, stats, self.num_adds)])
         logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
         return engine
 

@@ -362,9 +362,9 @@ def pad_step_inputs(
     """Lay a step out for a graph of ``size`` tokens and ``rows`` sequences: ``tokens``
     [3, >= size] gets input ids, positions and slots; ``seqs`` [2, >= rows + 1] gets
     sequence lengths and query start offsets. Padding tokens write nowhere (slot -1).
-    Decode (``rows == size``): each padding row is a sequence of one token. Mixed: the
-    padding tokens form one sequence after the real ones, and the remaining rows are empty
-    (no query tokens). Either way the real rows' results do not change."""
+    Decode steps (``rows == size``): each padding row is a sequence of one token. Mixed
+    steps: the padding tokens form one sequence after the real ones, and the remaining rows
+    are empty (no query tokens). Either way the real rows' results do not change."""
     n, b = len(inputs.input_ids), inputs.num_seqs
     tokens[0, :n] = inputs.input_ids
     tokens[1, :n] = inputs.positions
@@ -372,7 +372,7 @@ def pad_step_inputs(
     tokens[0, n:size], tokens[1, n:size], tokens[2, n:size] = 0, 0, -1
     seqs[0, :b] = inputs.seq_lens
     seqs[1, : b + 1] = inputs.query_start_loc
-    if rows == size and inputs.max_query_len == 1:
+    if inputs.max_query_len == 1:
         seqs[0, b:rows] = 1
         seqs[1, b + 1 : rows + 1] = np.arange(n + 1, size + 1)
     else:
