@@ -426,6 +426,12 @@ class StepGraphs:
             torch.zeros(self.max_seqs * max_blocks, dtype=torch.int32).pin_memory()
             for _ in range(2)
         ]
+        # When each set's copies to the device have run. A set is reused two steps later,
+        # but the host may be further ahead than that: a step that samples nothing (a
+        # prompt chunk) is never waited for, so several can be queued behind a slow one.
+        # Overwriting a set whose copies are still queued hands an earlier step a later
+        # step's inputs, so the host waits for the set's event first.
+        self.staged = [torch.cuda.Event() for _ in range(2)]
         self.num_runs = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -479,11 +485,11 @@ class StepGraphs:
         decode = inputs.max_query_len == 1
         size = _bucket(self.batch_sizes if decode else self.token_sizes, n)
         # Staged in pinned host buffers, one copy per group; padding gets harmless values.
-        # The set used two steps ago is free again: that step's sampled ids have been read
-        # back, so its copies are done.
+        # Two sets used in turn, each reused once its last copies have run.
         which = self.num_runs % 2
         self.num_runs += 1
         device = self.runner.device
+        self.staged[which].synchronize()  # at once unless the GPU is two steps behind
         host_tokens, host_seqs = self.host_tokens[which], self.host_seqs[which]
         rows = size if decode else self.max_seqs
         pad_step_inputs(inputs, size, rows, host_tokens.numpy(), host_seqs.numpy())
@@ -503,6 +509,7 @@ class StepGraphs:
         self.block_tables[:b, :width].copy_(
             host_tables[: b * width].view(b, width).to(device, non_blocking=True)
         )
+        self.staged[which].record()
         graph, out = self.graphs["decode" if decode else "mixed", size]
         graph.replay()
         return out[:n]

@@ -68,8 +68,15 @@ def _config(arch: str, vocab_size: int, **overrides):
     return cls(**common)
 
 
-def build_tiny_model(folder: Path, arch: str, dtype=torch.float32, seed: int = 0, **overrides):
-    """Save a random ``arch`` model plus tokenizer into ``folder``; return the HF model."""
+def build_tiny_model(
+    folder: Path, arch: str, dtype=torch.float32, seed: int = 0, qk_scale: float = 1.0,
+    **overrides,
+):
+    """Save a random ``arch`` model plus tokenizer into ``folder``; return the HF model.
+
+    ``qk_scale`` multiplies queries and keys (through q/k norms where the architecture has
+    them), so attention scores grow by its square: sharp attention, where reading a wrong
+    KV block or position shows in the logits instead of averaging away."""
     import transformers
 
     folder = Path(folder)
@@ -91,6 +98,16 @@ def build_tiny_model(folder: Path, arch: str, dtype=torch.float32, seed: int = 0
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if qk_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                scaled = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [
+                    attn.q_proj, attn.k_proj]  # fmt: skip
+                for module in scaled:
+                    module.weight.mul_(qk_scale)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.mul_(qk_scale)
     model.save_pretrained(folder)
     return model
 

@@ -1,0 +1,233 @@
+"""The differential suite on a CUDA GPU: the engine's logprob of every token it produced
+against transformers' float32 forward, teacher-forced on the engine's tokens
+(``tests/differential.py``), over the matrix of engine settings, with the Triton kernels,
+CUDA graphs for decode and mixed steps, async scheduling, split-KV attention and (on two
+GPUs) tensor parallelism.
+
+``test_shared_prefix_small_budget`` is the workload that found the staging race in
+``StepGraphs`` (a step that samples nothing is never waited for, so the host ran more than
+two steps ahead and overwrote pinned inputs whose copies were still queued): a random
+Qwen2 in Qwen2.5-1.5B's per-layer shapes, 27 prompts sharing a 1,000-token prefix, token
+budgets of 128 and 256.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch
+from differential import (
+    Reference,
+    Req,
+    Workload,
+    bf16_noise,
+    check_results_complete,
+    compare,
+    engine_args,
+    random_workload,
+    run_workload,
+    setting_id,
+    settings_matrix,
+)
+from tiny_models import build_tiny_model
+
+from inference import SamplingParams
+from inference.config import EngineConfig
+from inference.llm_engine import LLMEngine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
+]
+
+FP32_TOL = 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ieee_fp32():
+    # The reference must be true float32: no TF32 in transformers' matmuls.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    # Each engine sizes its KV cache from the free memory: the previous one must be gone.
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _engine(folder: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(folder, device="cuda", **kwargs))
+
+
+# -- the reproduction -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_1p5b_shape(tmp_path_factory):
+    """Random Qwen2 in Qwen2.5-1.5B's per-layer shapes, 6 layers, float32; q/k weights
+    with std 0.05 (the rest 0.02) so that attention is sharp."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("qwen-1.5b-shape")
+    config = transformers.Qwen2Config(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=6,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4608,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
+        bos_token_id=151643, eos_token_id=151645,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.05)
+            layer.self_attn.k_proj.weight.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return str(folder), Reference(model.to("cuda"), "cuda")
+
+
+def _shared_prefix_workload(seed: int = 0) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 151000, (1000,), generator=gen).tolist()
+    prompts = [
+        prefix + torch.randint(0, 151000, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 301, (27,), generator=gen)
+    ]
+    prompts += [prefix[:512], prefix[:513], prefix]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0,
+                            detokenize=False)
+    return Workload([Req(f"req-{i}", p, params) for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("budget", [128, 256])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_shared_prefix_small_budget(qwen_1p5b_shape, budget, prefix_caching):
+    folder, reference = qwen_1p5b_shape
+    engine = _engine(folder, dtype="float32", max_model_len=4608, max_num_seqs=64,
+                     max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
+                     gpu_memory_utilization=0.5)
+    workload = _shared_prefix_workload()
+    results = run_workload(engine, workload)
+    engine.shutdown()
+    check_results_complete(workload, results)
+    report = compare(results, reference)
+    print(f"\nqwen2-1.5b-shape budget {budget} cache {prefix_caching}: {report.summary()}")
+    assert report.max_abs_diff <= FP32_TOL, report.summary()
+    assert report.argmax_mismatches == 0, report.summary()
+
+
+# -- the matrix -----------------------------------------------------------------------
+MAX_MODEL_LEN = 1536
+# Head dims 64 and 128; GQA ratios 1, 2, 4 and 8; q/k norms (Qwen3); q/k/v biases (Qwen2).
+# Weights of realistic size (std 0.02), queries and keys scaled until the largest attention
+# weight of a row averages 0.5-0.9: sharp, yet not so sharp that float32 rounding alone
+# moves a logprob by 1e-3.
+MODELS = {
+    "llama": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                  qk_scale=5.0),
+    "mistral": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
+                    head_dim=128, qk_scale=5.0),
+    "qwen2": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=1,
+                  qk_scale=4.0),
+    "qwen3": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  qk_scale=3.0),
+}  # fmt: skip
+ARCHS = list(MODELS)
+
+
+def _gpu_matrix() -> list[dict]:
+    """Budget x caching x async x eager in full; block size and forced preemption each
+    cycle through both values across those rows (every pair of them appears)."""
+    rows = settings_matrix(block_sizes=(16,), preemption=(False,))
+    pairs = list(itertools.product((16, 32), (False, True)))
+    for i, row in enumerate(rows):
+        row["block_size"], row["preempt"] = pairs[(i + i // 4) % 4]
+    return rows
+
+
+GPU_MATRIX = _gpu_matrix()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built = {}
+    for arch, shape in MODELS.items():
+        folder = tmp_path_factory.mktemp(f"diff-{arch}")
+        model = build_tiny_model(folder, arch, seed=5, initializer_range=0.02,
+                                 max_position_embeddings=MAX_MODEL_LEN, **shape)
+        built[arch] = (str(folder), model)
+    return built
+
+
+def _run_matrix_row(models, index, setting, dtype="float32"):
+    arch = ARCHS[index % len(ARCHS)]
+    folder, model = models[arch]
+    engine = _engine(folder, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=48,
+                     gpu_memory_utilization=0.3, **engine_args(setting, MAX_MODEL_LEN))
+    workload = random_workload(
+        2000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
+        block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
+    )
+    results = run_workload(engine, workload)
+    check_results_complete(workload, results)
+    free, total = engine.block_manager.num_free_blocks, engine.num_total_blocks
+    preemptions = engine.stats().num_preemptions_total
+    engine.shutdown()
+    assert free == total
+    return arch, model, results, preemptions, workload
+
+
+@pytest.mark.parametrize(
+    "index,setting", list(enumerate(GPU_MATRIX)), ids=[setting_id(s) for s in GPU_MATRIX]
+)
+def test_matrix_fp32(models, index, setting):
+    arch, model, results, preemptions, workload = _run_matrix_row(models, index, setting)
+    report = compare(results, Reference(model.to("cuda").float(), "cuda"))
+    print(f"\n{arch} {setting_id(setting)} preemptions {preemptions}: {report.summary()}")
+    context = f"{arch} {setting_id(setting)}: {report.summary()}; {workload.describe()}"
+    assert report.max_abs_diff <= FP32_TOL, context
+    assert report.argmax_mismatches == 0, context
+
+
+@pytest.mark.parametrize("index", [0, 5, 10, 15])
+def test_matrix_bf16(models, index):
+    """bfloat16: the engine's mean distance to float32 within 1.5x transformers-bfloat16's
+    own, and no greedy token far less likely (in float32) than that noise explains."""
+    setting = GPU_MATRIX[index]
+    arch, model, results, _, _ = _run_matrix_row(models, index, setting, dtype="bfloat16")
+    ref32 = Reference(model.to("cuda").float(), "cuda")
+    report = compare(results, ref32, tie_tol=0.0)
+    import copy
+
+    ref16 = Reference(copy.deepcopy(model).to("cuda", torch.bfloat16), "cuda")
+    noise = bf16_noise(results, ref32, ref16)
+    print(f"\n{arch} bf16 {setting_id(setting)}: {report.summary()}; hf-bf16 noise {noise:.2e}")
+    assert report.mean_abs_diff <= 1.5 * noise + 1e-4, (report.summary(), noise)
+    assert report.max_regret <= max(20 * noise, 0.5), (report.summary(), noise)
+
+
+# -- tensor parallelism ---------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("index", [1, 6])
+def test_tp2_against_transformers(models, index):
+    setting = GPU_MATRIX[index]
+    arch = ARCHS[index % len(ARCHS)]
+    folder, model = models[arch]
+    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=48,
+                     gpu_memory_utilization=0.3, tensor_parallel_size=2,
+                     **engine_args(setting, MAX_MODEL_LEN))
+    try:
+        workload = random_workload(
+            3000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
+            block_size=setting["block_size"], num_requests=16, max_new_tokens=16,
+        )
+        results = run_workload(engine, workload)
+    finally:
+        engine.shutdown()
+    check_results_complete(workload, results)
+    report = compare(results, Reference(model.to("cuda").float(), "cuda"))
+    print(f"\nTP=2 {arch} {setting_id(setting)}: {report.summary()}")
+    assert report.max_abs_diff <= FP32_TOL, report.summary()
+    assert report.argmax_mismatches == 0, report.summary()
