@@ -179,42 +179,20 @@ class ModelRunner:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def _warm_up_attention_variants(self, attention_ops=None) -> None:
-        """Compile every attention variant an eager (prefill or mixed) step can need before
-        the engine reports ready: the kernel is specialised on its tiling and on how many
-        segments the KV range is split into, and a variant first met by a request would
-        stall every running sequence for the length of a Triton compile (about a second).
-        Decode variants compile while the graphs are captured. ``attention_ops``: the
-        Triton attention module (tests pass a stand-in); nothing to do without Triton."""
+    def _warm_up_attention_variants(self) -> None:
+        """Compile every attention variant a step can need before the engine reports
+        ready: the kernel is specialised on its tiling and on how many segments the KV
+        range is split into, and a variant first met by a request would stall every
+        running sequence for the length of a Triton compile (about a second). The kernel
+        module lists its own variants (``tilings``); nothing to do without Triton."""
         k_cache, v_cache = self.kv_caches[0]
-        ops = attention_ops or kernel_for("attention", k_cache)
+        ops = kernel_for("attention", k_cache)
         if ops is None:
             return
         layer = self.model.layers[0]
-        kv_heads, block_size = k_cache.shape[2], self.block_size
-        group_pad = 1 << max(0, (layer.num_heads // kv_heads) - 1).bit_length()
-        # Query-tile tilings: 64-row tiles, and 128-row tiles for steps of 4096+ tokens.
-        cases = [(64, 64)]
-        if self.config.max_num_batched_tokens >= 4096:
-            cases.append((4096, 128))
-        for num_tokens, block_m in cases:
-            if -(-num_tokens // block_size) > self.num_blocks:
-                continue
-            block_q = max(1, max(block_m, group_pad, 16) // group_pad)
-            if block_m == 64:
-                most = ops._MAX_SEGMENTS  # a 2-token step of one sequence can split 64 ways
-            else:
-                most = ops._num_segments((num_tokens // block_q + 1) * kv_heads, 0, self.device)
-            q = torch.zeros(num_tokens, layer.num_heads, layer.head_dim, dtype=self.dtype,
-                            device=self.device)
-            meta = self._one_sequence_metadata(num_tokens)
-            segments = 1
-            while segments <= most:
-                ops.paged_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                    meta.query_start_loc, layer.scale, None, num_tokens, num_segments=segments,
-                )
-                segments *= 2
+        for decode in (False, True):
+            ops.warm_up(k_cache, v_cache, layer.num_heads, layer.scale,
+                        self.config.max_num_batched_tokens, decode)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

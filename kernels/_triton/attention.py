@@ -17,6 +17,8 @@ second kernel merges them. The split count depends only on shapes, so a launch i
 same for every step of a CUDA graph.
 """
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -232,6 +234,108 @@ def _num_segments(num_programs: int, partial_bytes_per_segment: int, device: tor
     return min(segments, _MAX_SEGMENTS)
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """What a launch is compiled for, besides the model's shapes and the cache layout:
+    Triton compiles one variant per distinct tiling."""
+
+    block_q: int  # query tokens per program (1: decode tiling)
+    block_m: int  # rows per program: block_q tokens x the padded GQA group
+    tile_n: int  # keys per inner step
+    num_segments: int  # splits of the KV range (flash-decoding), a power of two
+    num_warps: int
+    num_stages: int
+
+
+def _large_query_tiles(num_tokens: int, head_size: int) -> bool:
+    # Measured on H200 (kernel_check sweep, kernels/NOTES.md): 32-key tiles and 4 warps
+    # win for every prefill size; 128-row query tiles only pay from ~4k tokens.
+    return num_tokens >= 4096 and head_size <= 128
+
+
+def choose_tiling(
+    num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+    max_query_len: int | None, device: torch.device, *, block_m: int | None = None,
+    tile_n: int | None = None, num_segments: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tiling:  # fmt: skip
+    """The tiling ``paged_attention`` launches for a step of this shape; the keyword
+    arguments override the heuristics (benchmarks and tests use them)."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    # Every sequence has exactly one query token when T == B (or the caller says so):
+    # decode tiling, one token per program. Any other batch takes query tiles. Both
+    # tilings are exact for every input; the choice only affects speed.
+    decode = max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs)
+    if decode and block_m is None:
+        block_q = 1
+        block_m = max(16, group_pad)
+    else:
+        block_m = block_m or (128 if _large_query_tiles(num_tokens, head_size) else 64)
+        block_m = max(block_m, group_pad, 16)
+        block_q = max(1, block_m // group_pad)
+    if tile_n is None:
+        tile_n = 64 if block_q == 1 and head_size <= 128 else 32
+    tile_n = max(16, tile_n)
+    if num_segments is None:
+        num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+        partial = num_tokens * num_heads * (head_pad + 2) * 4
+        num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, device)
+    # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared
+    # memory buffers, more resident programs); prefill keeps three.
+    num_stages = num_stages or (2 if block_q == 1 else 3)
+    return Tiling(block_q, block_m, tile_n, num_segments, num_warps or 4, num_stages)
+
+
+def tilings(
+    num_heads: int, num_kv_heads: int, head_size: int, max_num_tokens: int,
+    device: torch.device, decode: bool,
+) -> list[Tiling]:  # fmt: skip
+    """Every tiling ``choose_tiling`` can pick (without overrides) for decode steps or for
+    steps with longer queries of up to ``max_num_tokens`` tokens: what a warm-up must
+    compile so that no request waits for a Triton compile."""
+    if decode:
+        shapes = [(1, 1)]  # (tokens, max query length): one program per token
+    else:
+        shapes = [(2, 2)]  # 64-row query tiles, down to the smallest step
+        if _large_query_tiles(max_num_tokens, head_size):
+            shapes.append((4096, 2))  # the fewest tokens that take 128-row tiles
+    found = []
+    for num_tokens, max_query_len in shapes:
+        base = choose_tiling(num_tokens, 1, num_heads, num_kv_heads, head_size, max_query_len,
+                             device, num_segments=1)  # fmt: skip
+        # The most segments a step with this tiling can split into: its fewest programs.
+        fewest_programs = (1 if base.block_q == 1 else num_tokens // base.block_q + 1)
+        most = _num_segments(fewest_programs * num_kv_heads, 0, device)
+        segments = 1
+        while segments <= most:
+            found.append(replace(base, num_segments=segments))
+            segments *= 2
+    return found
+
+
+def warm_up(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+    max_num_tokens: int, decode: bool,
+) -> list[Tiling]:  # fmt: skip
+    """Compile (by launching once) every variant ``tilings`` lists, on a one-sequence step
+    that reads block 0 only and writes a scratch output; returns the tilings run."""
+    _, block_size, num_kv_heads, head_size = k_cache.shape
+    found = tilings(num_heads, num_kv_heads, head_size, max_num_tokens, k_cache.device, decode)
+    for tiling in found:
+        # The large-tile variant is picked by token count; any count gives the same code.
+        num_tokens = 1 if tiling.block_q == 1 else 2
+        q = torch.zeros(num_tokens, num_heads, head_size, dtype=k_cache.dtype,
+                        device=k_cache.device)  # fmt: skip
+        num_blocks = -(-num_tokens // block_size)
+        block_tables = torch.zeros((1, num_blocks), dtype=torch.int32, device=k_cache.device)
+        seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=k_cache.device)
+        query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32, device=k_cache.device)
+        _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                torch.empty_like(q), tiling)  # fmt: skip
+    return found
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -262,31 +366,25 @@ def paged_attention(
         raise ValueError("paged_attention needs the head dimension contiguous")
     if v_cache.stride(-1) != 1 or block_size & (block_size - 1):
         raise ValueError("paged_attention needs a contiguous head dim and power-of-2 blocks")
+    tiling = choose_tiling(
+        num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_query_len, q.device,
+        block_m=block_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, tiling)
+    return out
 
+
+def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            tiling: Tiling) -> None:  # fmt: skip
+    num_tokens, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_size))
-    # Every sequence has exactly one query token when T == B (or the caller says so):
-    # decode tiling, one token per program. Any other batch takes query tiles. Both
-    # tilings are exact for every input; the choice only affects speed.
-    decode = max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs)
-    if decode and block_m is None:
-        block_q = 1
-        block_m = max(16, group_pad)
-    else:
-        # Measured on H200 (kernel_check sweep, kernels/NOTES.md): 32-key tiles and 4 warps
-        # win for every prefill size; 128-row query tiles only pay from ~4k tokens.
-        block_m = block_m or (128 if num_tokens >= 4096 and head_size <= 128 else 64)
-        block_m = max(block_m, group_pad, 16)
-        block_q = max(1, block_m // group_pad)
-    if tile_n is None:
-        tile_n = 64 if block_q == 1 and head_size <= 128 else 32
-    tile_n = max(16, tile_n)
+    block_q, num_segments = tiling.block_q, tiling.num_segments
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-
-    if num_segments is None:
-        partial = num_tokens * num_heads * (head_pad + 2) * 4
-        num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, q.device)
     if num_segments > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_segments, head_pad), dtype=torch.float32, device=q.device
@@ -298,12 +396,6 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # never touched
 
-    if num_warps is None:
-        num_warps = 4
-    if num_stages is None:
-        # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared
-        # memory buffers, more resident programs); prefill keeps three.
-        num_stages = 2 if block_q == 1 else 3
     log2e = 1.4426950408889634
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         q, k_cache, v_cache, out,
@@ -316,10 +408,10 @@ def paged_attention(
         block_tables.stride(0),
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE_N=tiling.tile_n,
         BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
         FP32_DOT=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
@@ -329,4 +421,3 @@ def paged_attention(
             NUM_SEGMENTS=num_segments,
             num_warps=4 if head_pad >= 128 else 2,
         )  # fmt: skip
-    return out

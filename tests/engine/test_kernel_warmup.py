@@ -1,47 +1,82 @@
-"""Before the engine reports ready, every attention variant an eager step can need has run
-once (so a Triton compile never stalls a request): both query tilings and every split of
-the KV range."""
+"""Before the engine reports ready, every attention variant a step can need has run once
+(so a Triton compile never stalls a request): both query tilings, the decode tiling, and
+every split of the KV range. The list comes from the kernel module (``tilings``), and it
+must cover whatever ``choose_tiling`` picks for any step the scheduler can build."""
 
 from __future__ import annotations
 
-import inspect
-import types
+import random
 
+import pytest
+import torch
 from tiny_models import build_tiny_model
 
 from inference import LLM
 
 
-def test_warm_up_runs_each_prefill_variant(tmp_path):
-    from kernels._triton import attention as triton_attention
+class _Device:
+    """A stand-in CUDA device of ``sms`` multiprocessors for the tiling rules."""
+
+    type = "cuda"
+
+    def __init__(self, sms: int) -> None:
+        self.sms = sms
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_tilings_cover_every_choice(monkeypatch, sms):
+    from kernels._triton import attention
+
+    monkeypatch.setattr(attention, "num_sms", lambda device: device.sms)
+    device = _Device(sms)
+    rng = random.Random(sms)
+    for _ in range(3000):
+        head_size = rng.choice([64, 80, 128, 256])
+        num_kv_heads = rng.choice([1, 2, 4, 8])
+        num_heads = num_kv_heads * rng.choice([1, 2, 3, 4, 6, 8])
+        budget = rng.choice([32, 256, 2048, 4096, 16384])
+        num_seqs = rng.randint(1, 64)
+        decode = rng.random() < 0.3
+        if decode:
+            num_tokens, max_query_len = num_seqs, 1
+        else:
+            num_tokens = rng.randint(num_seqs + 1, max(num_seqs + 1, budget))
+            max_query_len = rng.randint(2, num_tokens - num_seqs + 1)
+        chosen = attention.choose_tiling(num_tokens, num_seqs, num_heads, num_kv_heads,
+                                         head_size, max_query_len, device)
+        warmed = attention.tilings(num_heads, num_kv_heads, head_size, budget, device, decode)
+        assert chosen in warmed, (num_tokens, num_seqs, num_heads, num_kv_heads, head_size,
+                                  budget, chosen)
+
+
+def test_engine_warm_up_runs_the_real_kernel(tmp_path, monkeypatch):
+    """The engine's warm-up launches every listed variant through the Triton kernel itself
+    (its interpreter on CPU)."""
+    from kernels._triton import attention
 
     build_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), max_model_len=256, max_num_batched_tokens=4096,
               num_kv_blocks=300, block_size=16)
-    signature = inspect.signature(triton_attention.paged_attention)
-    calls = []
+    runner = llm.engine.runner
+    launched = []
+    real_launch = attention._launch
 
-    def record(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)  # the real kernel's signature accepts it
-        calls.append((args[0].shape[0], bound.arguments["num_segments"]))
-        return args[0]
+    def record(*args):
+        launched.append(args[-1])
+        return real_launch(*args)
 
-    stand_in = types.SimpleNamespace(
-        paged_attention=record,
-        _MAX_SEGMENTS=triton_attention._MAX_SEGMENTS,
-        _num_segments=triton_attention._num_segments,
-    )
-    llm.engine.runner._warm_up_attention_variants(stand_in)
-    short = sorted(s for t, s in calls if t == 64)
-    assert short == [1, 2, 4, 8, 16, 32, 64]
-    long = [s for t, s in calls if t == 4096]
-    assert long and long[0] == 1  # 128-row tiles: few splits, since 4096 tokens fill the GPU
-
-
-def test_warm_up_runs_the_real_kernel(tmp_path):
-    """The same warm-up through the Triton kernel itself (its interpreter on CPU)."""
-    from kernels._triton import attention as triton_attention
-
-    build_tiny_model(tmp_path, "llama")
-    llm = LLM(str(tmp_path), max_model_len=256, num_kv_blocks=64, block_size=16)
-    llm.engine.runner._warm_up_attention_variants(triton_attention)
+    monkeypatch.setattr(attention, "_launch", record)
+    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "0")  # TRITON_INTERPRET=1 on CPU runs
+    runner._warm_up_attention_variants()
+    layer = runner.model.layers[0]
+    k_cache = runner.kv_caches[0][0]
+    expected = [
+        tiling
+        for decode in (False, True)
+        for tiling in attention.tilings(layer.num_heads, k_cache.shape[2], k_cache.shape[3],
+                                        4096, torch.device("cpu"), decode)
+    ]  # fmt: skip
+    assert launched == expected
+    assert {t.block_m for t in launched if t.block_q > 1} == {64, 128}  # both query tilings
+    assert any(t.block_q == 1 for t in launched)
+    assert len({t.num_segments for t in launched}) > 1  # the KV splits too
