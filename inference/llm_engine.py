@@ -4,7 +4,7 @@ A request's life, top to bottom:
   ``add_request``  validates and tokenizes, creates ``n`` sequences, queues them;
   ``step``         the scheduler picks this step's tokens (``Scheduler.schedule``), the model
                    runner computes them and samples for sequences whose tokens are all
-                   computed (``ModelRunner.execute``), then each new token is appended,
+                   computed (``ModelRunner.launch``), then each new token is appended,
                    detokenized and checked against the stop conditions (``_process_token``);
                    finished sequences give their KV blocks back (``Scheduler.finish``);
   ``abort_request`` frees a request's blocks at any point.
@@ -251,9 +251,6 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step. With async scheduling the step is launched first and the

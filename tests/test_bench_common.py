@@ -2,7 +2,7 @@
 
 import json
 
-from inference.bench.common import SHAPES, resolve_bench_model, write_synthetic_tokenizer
+from inference.model_shapes import SHAPES, resolve_shape_model, write_synthetic_tokenizer
 from inference.models.config import ModelConfig
 
 
@@ -13,7 +13,7 @@ def test_named_shapes_parse_as_supported_models():
 
 
 def test_shape_folder_holds_config_only_for_offline_benches():
-    folder, extra = resolve_bench_model("qwen2.5-7b")
+    folder, extra = resolve_shape_model("qwen2.5-7b")
     assert extra == {"load_format": "dummy"}
     assert json.loads(open(f"{folder}/config.json").read())["hidden_size"] == 3584
 

@@ -13,9 +13,9 @@ from inference.bench.common import (
     engine_kwargs,
     random_prompts,
     record,
-    resolve_bench_model,
     write_json,
 )
+from inference.model_shapes import resolve_shape_model
 
 
 def _measure(llm, vocab: int, batch: int, input_len: int, output_len: int, iters: int) -> dict:
@@ -58,7 +58,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def run_latency(args: argparse.Namespace) -> int:
     from inference import LLM
 
-    folder, extra = resolve_bench_model(args.model)
+    folder, extra = resolve_shape_model(args.model)
     max_out = max(args.output_len)
     llm = LLM(folder, **engine_kwargs(args, args.input_len + max_out), **extra)
     vocab = llm.engine.model_config.vocab_size

@@ -10,7 +10,8 @@ import argparse
 import sys
 import time
 
-from inference.bench.common import random_prompts, resolve_bench_model
+from inference.bench.common import random_prompts
+from inference.model_shapes import resolve_shape_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from inference import LLM, SamplingParams
 
-    folder, extra = resolve_bench_model(args.model)
+    folder, extra = resolve_shape_model(args.model)
     llm = LLM(folder, max_model_len=args.input_len + args.output_len,
               max_num_seqs=max(args.batch_size, 8), **extra)
     vocab = llm.engine.model_config.vocab_size

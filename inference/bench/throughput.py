@@ -12,9 +12,9 @@ from inference.bench.common import (
     engine_kwargs,
     random_prompts,
     record,
-    resolve_bench_model,
     write_json,
 )
+from inference.model_shapes import resolve_shape_model
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def run_throughput(args: argparse.Namespace) -> int:
     from inference import LLM, SamplingParams
 
-    folder, extra = resolve_bench_model(args.model)
+    folder, extra = resolve_shape_model(args.model)
     t0 = time.perf_counter()
     llm = LLM(folder, **engine_kwargs(args, args.input_len + args.output_len), **extra)
     startup_s = time.perf_counter() - t0

@@ -81,12 +81,6 @@ class ParallelContext:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
 
 SINGLE = ParallelContext()
 

@@ -61,7 +61,7 @@ def metaspace_tokenizer(tmp_path_factory):
     """The bench's synthetic word-level tokenizer (a Metaspace decoder, like sentencepiece)."""
     from transformers import AutoTokenizer
 
-    from inference.bench.common import write_synthetic_tokenizer
+    from inference.model_shapes import write_synthetic_tokenizer
 
     folder = tmp_path_factory.mktemp("synthetic_tokenizer")
     write_synthetic_tokenizer(folder, 1000, 2)
