@@ -4,8 +4,8 @@ The model runner calls the sampler once per step with one row of logits per sequ
 work happens on the logits' device, batched over rows; what comes back to the host is the chosen
 id per row and, only for rows that ask, their logprobs, in a single transfer.
 
-Order of processing: min_tokens masking, penalties, then greedy rows take the argmax while the
-others go through temperature, top-k, top-p, min-p and an exponential race. Logprobs describe
+Order of processing: min_tokens masking, logit bias, penalties, then greedy rows take the argmax
+while the others go through temperature, top-k, top-p, min-p and an exponential race. Logprobs describe
 the raw distribution (before any of that), as vLLM V1 reports them by default.
 """
 
@@ -105,6 +105,26 @@ def mask_stop_tokens_for_min_tokens(
     index = _to_device([rows, cols], torch.int64, logits.device)
     minus_inf = torch.full((len(rows),), float("-inf"), device=logits.device)
     return logits.index_put((index[0], index[1]), minus_inf)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits (ids beyond the vocabulary are ignored:
+    the server rejects them, and a padded LM head may be wider than the tokenizer)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab_size = logits.shape[-1]
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if token_id < vocab_size:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(bias)
+    if not rows:
+        return logits
+    index = _to_device([rows, cols], torch.int64, logits.device)
+    bias = _to_device(values, torch.float32, logits.device)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
 
 
 def _token_counts(
@@ -379,11 +399,14 @@ class Sampler:
             count < p.min_tokens
             for p, count in zip(params, metadata.output_counts(), strict=True)
         )
-        if all_greedy and not (any(penalized) or in_min_tokens or wants_logprobs):
+        biased = any(p.logit_bias for p in params)
+        if all_greedy and not (any(penalized) or in_min_tokens or wants_logprobs or biased):
             return SampledTokens(logits.argmax(dim=-1), None, params)
 
         scalars = _row_scalars(params, logits.device)
         processed = mask_stop_tokens_for_min_tokens(logits, metadata)
+        if biased:
+            processed = apply_logit_bias(processed, params)
         if any(penalized):
             processed = apply_penalties(
                 processed,

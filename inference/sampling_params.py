@@ -33,6 +33,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Added to the logits of these token ids before penalties and sampling (OpenAI's range:
+    # -100 bans a token, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine: EOS and generation-config stop ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -86,6 +89,11 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise bad("logit_bias", "keys must be non-negative token ids")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", "values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -294,3 +294,28 @@ def test_cuda_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert batch.token_ids[2] == alone.token_ids[0]
     assert batch.logprobs[2] == alone.logprobs[0]
     assert batch.token_ids[0] == int(logits[0].argmax())
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    best = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={7: 100.0}),  # forced
+        SamplingParams(temperature=0.0, logit_bias={best: -100.0}),  # its argmax banned
+        SamplingParams(temperature=0.8, seed=1, logit_bias={3: 100.0, 60: 5.0}),  # 60: beyond V
+    ]
+    generators = [None, None, torch.Generator().manual_seed(1)]
+    output = Sampler()(logits, _metadata(params, generators=generators))
+    assert output.token_ids[0] == 7
+    assert output.token_ids[1] == int(
+        logits[1].clone().index_fill_(0, torch.tensor(best), -1e9).argmax()
+    )
+    assert output.token_ids[2] == 3
+
+
+def test_logit_bias_is_validated():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})

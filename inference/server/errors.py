@@ -7,6 +7,7 @@ unexpected exceptions all answer ``{"error": {"message", "type", "param", "code"
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -64,18 +65,34 @@ def error_response(error: APIError) -> JSONResponse:
     )
 
 
+# Pydantic names the member of a union it tried ("str", "list[constrained-int]") in an
+# error's location, and the model class it expected in the message: neither is a field
+# the client sent, so both are left out.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\]-]")
+_CLASS_NAME = re.compile(r" or instance of \w+")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
-    where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return f"{where}{first.get('msg', 'invalid value')}{more}", param
+    context = first.get("ctx") or {}
+    if "param" in context:  # a model validator's error: its message names the field
+        return f"{first.get('msg')}{more}", str(context["param"])
+    loc = [
+        str(part)
+        for part in first.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and _UNION_TAG.search(part))
+    ]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    message = _CLASS_NAME.sub("", str(first.get("msg", "invalid value")))
+    message = message.removeprefix("Value error, ")
+    return f"{where}{message}{more}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -4,13 +4,20 @@ Field names and defaults follow OpenAI's and vLLM's so existing clients and load
 requests unchanged. Unknown fields are ignored (as vLLM does) rather than rejected, because
 load tools often send vendor fields we have no use for. Numbers must be finite: a NaN
 temperature would pass ``SamplingParams``' range checks and poison the sampler.
+
+Every string of a request body must be valid Unicode: JSON lets a client send a lone UTF-16
+surrogate (``"\\ud800"``), which Python keeps as a str that no tokenizer or encoder can take;
+request bodies reject it up front, naming the field. Cross-field rules (``stream_options``
+without ``stream``, ``tool_choice`` without ``tools``) are checked as strictly as vLLM does;
+their errors carry the field's name in ``ctx["param"]`` for the error handler.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -21,15 +28,67 @@ TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 
 
+# OpenAI's range for logit_bias values.
+MAX_LOGIT_BIAS = 100.0
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def field_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error about ``param`` (a dotted path) raised by a model validator, whose
+    location pydantic would otherwise report as the whole body."""
+    context = {"param": param, "message": message}
+    return PydanticCustomError("invalid_field", "{param}: {message}", context)
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (or key) in ``value`` that is not valid Unicode."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # The path is echoed in the error message: it must be valid Unicode itself.
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            where = f"{path}.{name}" if path else name
+            found = _lone_surrogate_path(key, where) or _lone_surrogate_path(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}.{index}" if path else str(index))
+            if found:
+                return found
+    return None
+
+
+class _Request(_Model):
+    """A whole request body."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_path(data, "")
+        if where is not None:
+            raise field_error(
+                where, "contains a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode"
+            )
+        return data
+
+
 class StreamOptions(_Model):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage so far on every chunk
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -46,7 +105,7 @@ class _SamplingFields(_Model):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields.
-    top_k: Int64 | None = None
+    top_k: int | None = Field(None, ge=-1, le=_INT64_MAX)  # 0 or -1: disabled
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
@@ -54,6 +113,22 @@ class _SamplingFields(_Model):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "only allowed when stream is true")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
@@ -82,20 +157,27 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # vLLM's chat-template controls.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise field_error("tool_choice", "requires tools: set tools, or tool_choice to none")
+        return self
 
-class TokenizeCompletionRequest(_Model):
+
+class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(_Model):
+class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -103,7 +185,7 @@ class TokenizeChatRequest(_Model):
     add_special_tokens: bool = False
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
 
