@@ -13,7 +13,11 @@ every stream, and each would wait on the other. This side keeps the server's vie
   handlers (``delta=True``), or the cumulative view, assembled here, for everyone else;
 - health: the engine process must be alive and heard from (a step message, or an idle
   heartbeat every second); if it dies or reports a failure, every in-flight request gets
-  ``EngineDeadError`` at once and ``/health`` says why.
+  ``EngineDeadError`` at once and ``/health`` says why. A step watchdog covers the engine
+  that neither dies nor answers (stopped, deadlocked, stuck in a kernel): once ready, if no
+  message arrives for ``engine_step_timeout_s``, the reader thread declares it dead (same
+  path: requests fail, ``/health`` 503) and kills it, since a late answer could no longer be
+  delivered to anyone.
 
 The tokenizer is loaded here as well (while the engine loads its weights), because the
 server renders chat templates and checks prompt lengths before anything is queued.
@@ -50,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 _PIPE_BYTES = 1 << 20  # room for many steps of output should the reader fall behind
 _STOP_TIMEOUT_S = 30.0
+# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S: a chunked-prefill step is bounded by the token
+# budget, so a minute without a single step means the engine is stuck.
+DEFAULT_STEP_TIMEOUT_S = 60.0
+# After the grace period, how long aborted requests get to send their error responses.
+_ABORT_FLUSH_S = 5.0
 
 
 class QueueFullError(Exception):
@@ -76,7 +85,7 @@ class EngineObserver(Protocol):
 
 
 class _Stream:
-    __slots__ = ("items", "waiter", "error", "aborted", "abort_sent")
+    __slots__ = ("items", "waiter", "error", "aborted", "abort_sent", "abort_reason")
 
     def __init__(self) -> None:
         self.items: deque[tuple[bool, list[tuple]]] = deque()
@@ -84,6 +93,7 @@ class _Stream:
         self.error: BaseException | None = None
         self.aborted = False
         self.abort_sent = False
+        self.abort_reason: str | None = None
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -112,15 +122,17 @@ class AsyncLLMEngine:
         max_queue_len: int | None = None,
         observer: EngineObserver | None = None,
         engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
-        heartbeat_timeout_s: float = 120.0,
+        engine_step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         if max_queue_len is not None and max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
+        if not engine_step_timeout_s > 0:
+            raise ValueError(f"engine_step_timeout_s must be > 0, got {engine_step_timeout_s}")
         self._config = config
         self.max_queue_len = max_queue_len
         self.observer = observer
         self._engine_factory = engine_factory  # runs in the engine process: must pickle
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._step_timeout_s = engine_step_timeout_s
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: Any = None
@@ -191,15 +203,31 @@ class AsyncLLMEngine:
         """Stop accepting new requests (in-flight ones continue); /ready turns 503."""
         self._accepting = False
 
-    async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Drain in-flight requests for up to ``grace_s``, abort the rest, stop the engine
-        process (and wait for it to exit)."""
+    async def drain(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to ``grace_s``, then abort
+        the rest (their handlers answer with an error) and give them a moment to do so."""
         self.begin_drain()
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline and self._dead is None:
             await asyncio.sleep(0.05)
+        if not self._streams:
+            return
+        logger.warning(
+            "grace period over: aborting %d request(s) still in flight", len(self._streams)
+        )
+        reason = (
+            "the server is shutting down and the request did not finish within the grace "
+            f"period ({grace_s:g} s, --shutdown-grace-seconds)"
+        )
         for request_id in list(self._streams):
-            self.abort(request_id)
+            self.abort(request_id, reason)
+        deadline = time.monotonic() + _ABORT_FLUSH_S
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Drain (``drain``), then stop the engine process and wait for it to exit."""
+        await self.drain(grace_s)
         await asyncio.to_thread(self._stop_process)
 
     def _stop_process(self) -> None:
@@ -246,9 +274,15 @@ class AsyncLLMEngine:
         if not alive:
             return "the engine process is not running"
         silent_s = time.monotonic() - self._last_message
-        if self._ready and silent_s > self._heartbeat_timeout_s:
-            return f"the engine process has not reported for {silent_s:.0f} s"
+        if self._ready and silent_s > self._step_timeout_s:
+            return self._hung_reason(silent_s)
         return None
+
+    def _hung_reason(self, silent_s: float) -> str:
+        return (
+            f"the engine process has not answered for {silent_s:.0f} s (longer than "
+            f"--engine-step-timeout {self._step_timeout_s:g} s): it is hung"
+        )
 
     @property
     def healthy(self) -> bool:
@@ -350,7 +384,9 @@ class AsyncLLMEngine:
                     if stream.error is not None:
                         raise stream.error
                     if stream.aborted:
-                        raise RequestAbortedError(request_id)
+                        raise RequestAbortedError(
+                            stream.abort_reason or f"request {request_id} was aborted"
+                        )
                     stream.waiter = loop.create_future()
                     try:
                         await stream.waiter
@@ -370,11 +406,13 @@ class AsyncLLMEngine:
                 stream.abort_sent = True
                 self._submit(("abort", [request_id]))
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from the event loop; its generator raises RequestAbortedError."""
+    def abort(self, request_id: str, reason: str | None = None) -> None:
+        """Abort a request from the event loop; its generator raises RequestAbortedError
+        (with ``reason`` as its message)."""
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.aborted = True
+            stream.abort_reason = reason
             stream.wake()
             if stream.abort_sent:
                 return
@@ -469,6 +507,8 @@ class AsyncLLMEngine:
         closed = False
         while not closed:
             messages: list[tuple] = []
+            if self._ready and not self._stopping and not self._watchdog(connection):
+                continue  # the engine was killed: the next recv sees the pipe close
             try:
                 messages.extend(connection.recv())
                 while len(messages) < 256 and connection.poll():
@@ -484,6 +524,19 @@ class AsyncLLMEngine:
         with self._process_lock:
             exit_code = self._process.exitcode
         self._post(self._on_exit, exit_code)
+
+    def _watchdog(self, connection: Any) -> bool:
+        """Wait for the engine's next message for up to the step timeout; True if one came.
+        If none did, the engine is hung: fail everything and kill it."""
+        if connection.poll(self._step_timeout_s):
+            return True
+        reason = self._hung_reason(time.monotonic() - self._last_message)
+        logger.error("%s; killing engine process %s", reason, self._process.pid)
+        self._post(self._die, reason)
+        with self._process_lock:
+            if self._process.is_alive():
+                self._process.kill()  # SIGKILL also ends a stopped process
+        return False
 
     def _wait_exit(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the engine process to exit; True if it has. Reaping

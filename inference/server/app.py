@@ -3,25 +3,38 @@
 ``build_app`` wires an AsyncLLMEngine into routes; the lifespan starts the engine process
 (the model loads in the background so /health answers at once and /ready tells the truth)
 and, on shutdown, drains in-flight requests for the grace period before stopping it.
+
+Around the routes, plain ASGI middleware: a cap on the request body (413 before a byte more
+than the cap is read, so a huge body can neither exhaust memory nor keep the tokenizer busy
+for minutes), the request id (the client's ``X-Request-Id`` or a fresh one, echoed on every
+response and used in the response's ``id``), and CORS as vLLM configures it. There is no
+``/docs`` page: FastAPI's would load its scripts from a CDN; ``/openapi.json`` stays.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
+import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inference.async_engine import AsyncLLMEngine
 from inference.server.chat import ChatServing
 from inference.server.completions import CompletionServing
-from inference.server.errors import APIError, install_error_handlers
+from inference.server.errors import APIError, error_body, install_error_handlers
 from inference.server.metrics import ServerMetrics
 from inference.server.protocol import (
     ChatCompletionRequest,
@@ -30,6 +43,96 @@ from inference.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from inference.server.serving import RequestLimits, TokenizerPool
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+def server_version() -> str:
+    try:
+        return version("pagoda")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class BodySizeLimit:
+    """413 for a body over ``max_bytes``: at once from its Content-Length, or as soon as a
+    chunked body grows past it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return (
+            f"the request body is larger than this server accepts ({self.max_bytes} bytes, "
+            "--max-request-body-bytes)"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(error_body(413, self._too_large()), status_code=413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI turns this into the app's OpenAI-shaped 413.
+                    raise StarletteHTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class RequestIdMiddleware:
+    """The client's X-Request-Id (or a fresh one) in ``request.state.request_id`` and on
+    the response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode())
+        request_id = sent.decode("latin-1") if sent is not None else uuid.uuid4().hex
+        if not _REQUEST_ID.match(request_id):
+            message = f"{REQUEST_ID_HEADER} must be 1 to 256 printable ASCII characters"
+            response = JSONResponse(error_body(400, message), status_code=400)
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID_HEADER.lower().encode(), request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
 
 _bearer = HTTPBearer(auto_error=False, description="The server's --api-key, if one is set.")
 
@@ -59,9 +162,16 @@ def build_app(
     *,
     api_key: str | None = None,
     shutdown_grace_s: float = 30.0,
+    limits: RequestLimits | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cors: CorsSettings | None = None,
 ) -> FastAPI:
-    completions = CompletionServing(engine, served_model_names)
-    chat = ChatServing(engine, served_model_names)
+    limits = limits or RequestLimits(max_queue_len=engine.max_queue_len)
+    tokenizer_pool = TokenizerPool()
+    completions = CompletionServing(
+        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool
+    )
+    chat = ChatServing(engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -70,13 +180,29 @@ def build_app(
             yield
         finally:
             await engine.shutdown(shutdown_grace_s)
+            tokenizer_pool.shutdown()
 
-    app = FastAPI(title="pagoda", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     install_error_handlers(app)
     app.state.engine = engine
     app.state.metrics = metrics
+    # The last one added runs first: CORS answers preflights before anything else.
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    cors = cors or CorsSettings()
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.allowed_origins,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+        allow_credentials=cors.allow_credentials,
+        expose_headers=[REQUEST_ID_HEADER],
+    )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    authenticated = [Depends(_api_key_check(api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=authenticated)
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -105,33 +231,42 @@ def build_app(
         return await chat.create(body, raw)
 
     app.include_router(v1)
-    _add_tokenizer_routes(app, chat)
+    tokenizer_routes = APIRouter(dependencies=authenticated)
+    _add_tokenizer_routes(tokenizer_routes, chat)
+    app.include_router(tokenizer_routes)
     _add_probes(app, engine, metrics)
     return app
 
 
-def _add_tokenizer_routes(app: FastAPI, chat: ChatServing) -> None:
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
-        chat.check_model(body.model)
+def _add_tokenizer_routes(router: APIRouter, chat: ChatServing) -> None:
+    """/tokenize and /detokenize: authenticated like /v1, tokenized like completions."""
+
+    def tokenize_body(body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(body, TokenizeChatRequest):
             text = chat.render_chat(
                 body.messages, body.add_generation_prompt, body.continue_final_message
             )
-            tokens = chat.encode(text, add_special_tokens=body.add_special_tokens)
-        else:
-            tokens = chat.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return chat.encode(text, add_special_tokens=body.add_special_tokens)
+        return chat.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    @router.post("/tokenize")
+    async def tokenize(
+        body: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request
+    ) -> dict[str, Any]:
+        chat.check_model(body.model)
+        tokens = await chat.tokenizer_pool.run(raw, tokenize_body, body)
         return {"count": len(tokens), "max_model_len": chat.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
         chat.check_model(body.model)
         chat.check_token_ids(body.tokens, "tokens")
-        return {"prompt": chat.tokenizer.decode(body.tokens)}
+        tokenizer = chat.tokenizer
+        return {"prompt": await chat.tokenizer_pool.run(raw, tokenizer.decode, body.tokens)}
 
 
 def _add_probes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """Liveness: the server answers and the engine process is alive and reporting."""
         problem = engine.health_problem
@@ -150,3 +285,7 @@ def _add_probes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) ->
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version_route() -> dict[str, str]:
+        return {"version": server_version()}

@@ -18,6 +18,7 @@ from inference.server.completions import (
     ChunkEnvelope,
     choice_end,
     chunk_payload,
+    continuous_usage,
     dumps,
     sse,
 )
@@ -100,11 +101,12 @@ class ChatServing(OpenAIServing):
         self.check_ready()
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        prompt = self.prepare_prompt(req)
+        self.check_batch(1, req.n)
+        prompt = await self.tokenizer_pool.run(raw, self.prepare_prompt, req)
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
         params = self.sampling_params(req, max_tokens, self.requested_logprobs(req))
-        request_id = self.new_request_id("chatcmpl")
+        request_id = self.new_request_id("chatcmpl", raw)
         stream = self.generate([prompt], params, request_id)
         try:
             first = await self.first_output(raw, stream)
@@ -202,19 +204,21 @@ class _ChatView:
     ) -> AsyncIterator[str]:
         """The role chunk, then one chunk per engine step that produced something."""
         # OpenAI opens every choice with the role before any content.
-        yield sse(
-            self.chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": self.echo},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(self.req.n)
-                ]
-            )
+        continuous = continuous_usage(self.req)
+        role_chunk = self.chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": self.echo},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(self.req.n)
+            ]
         )
+        if continuous:
+            role_chunk["usage"] = usage_counts([self.prompt], 0)
+        yield sse(role_chunk)
         envelope = ChunkEnvelope(self, "chat.completion.chunk")
         num_tokens = 0
         try:
@@ -229,7 +233,8 @@ class _ChatView:
                         + choice_end(self.logprobs(c, 0), c.finish_reason, c.stop_reason)
                     )
                 if choices:
-                    yield envelope.render(choices)
+                    counts = usage_counts([self.prompt], num_tokens) if continuous else None
+                    yield envelope.render(choices, counts)
                 item = await anext(rest, None)
                 output = item[1] if item is not None else None
         except Exception as exc:

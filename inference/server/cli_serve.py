@@ -1,25 +1,42 @@
 """``pagoda serve MODEL``: flags (vLLM's names) and the uvicorn process around the app.
 
-Shutdown: on SIGTERM uvicorn closes the listening socket, lets in-flight responses finish
-for ``--shutdown-grace-seconds`` (then cancels them, which aborts their engine requests),
-and runs the app's lifespan shutdown, which stops the engine process. The process then exits
-0: uvicorn re-raises the signal it caught once it is done, so we keep a no-op handler
-installed underneath it instead of the default one that would kill us with status 143.
+Start-up binds the listening socket first: a port in use fails at once, before minutes of
+model loading. The model then loads in the background while /health already answers.
+
+Shutdown (SIGTERM, or Ctrl-C): the server keeps its socket open and keeps accepting
+connections while it drains: /ready turns 503 (the pod leaves its Service) and new requests
+get 503 with Retry-After, while in-flight ones run on for up to ``--shutdown-grace-seconds``.
+What is still running then is aborted: a non-streamed request gets an OpenAI-shaped 503, a
+stream an error event and ``[DONE]``. Only then does uvicorn close the socket and run the
+app's lifespan shutdown, which stops the engine process, and the process exits 0 (uvicorn
+re-raises the signal it caught once it is done, so we keep a no-op handler installed
+underneath it instead of the default one that would kill us with status 143). A second
+signal during the drain aborts everything at once.
+
+A failed engine (it died, reported a fatal error, or missed ``--engine-step-timeout``)
+cannot be recovered in place: the server then exits 1 within about a second, so that
+Kubernetes restarts the pod, as vLLM does.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import fields
 from pathlib import Path
 
+from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
 from inference.config import EngineConfig
+from inference.server.app import DEFAULT_MAX_BODY_BYTES
+from inference.server.serving import RequestLimits
 
 logger = logging.getLogger("inference.server")
 
@@ -90,10 +107,52 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may take to finish",
     )
     parser.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="seconds without a step (or idle heartbeat) after which the engine counts as "
+        "hung: requests fail, /health turns 503 and the server exits 1",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=RequestLimits.max_sequences_per_request,
+        help="most prompts x n one request may ask for; more gets 400",
+    )
+    parser.add_argument(
+        "--allowed-origins", type=_json_list, default=["*"], help='CORS origins (JSON list)'
+    )
+    parser.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)"
+    )
+    parser.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)"
+    )
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     return parser
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's form, a JSON list ('["https://a.example"]'); a bare word is a list of one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return [text]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -156,23 +215,40 @@ def _curl_example(host: str, port: int, model: str, api_key: str | None) -> str:
 
 
 def _watch_engine(engine, server, example: str) -> None:
-    """Announce readiness with a usable example, or stop the server if loading failed."""
+    """Announce readiness with a usable example; stop the server (exit 1) once the engine
+    has failed, whether loading or later."""
+    announced = False
     while not server.should_exit:
-        if engine.loaded:
-            print(f"pagoda is ready. Try:\n  {example}", flush=True)
-            return
         if engine.failure is not None:
-            logger.error("the engine failed to start; shutting down")
+            logger.error("the engine failed (%s); exiting", engine.failure)
             server.should_exit = True
             return
+        if engine.loaded and not announced:
+            print(f"pagoda is ready. Try:\n  {example}", flush=True)
+            announced = True
         time.sleep(0.2)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inference.async_engine import AsyncLLMEngine
-    from inference.server.app import build_app
+    from inference.server.app import CorsSettings, build_app
     from inference.server.metrics import ServerMetrics
 
     # A no-op when `pagoda`'s main has configured logging already.
@@ -180,8 +256,16 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        print("error: --max-queue-len must be >= 1", file=sys.stderr)
+    for flag, value, minimum in (
+        ("--max-queue-len", args.max_queue_len, 1),
+        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+        ("--max-sequences-per-request", args.max_sequences_per_request, 1),
+    ):
+        if value is not None and value < minimum:
+            print(f"error: {flag} must be >= {minimum}", file=sys.stderr)
+            return 2
+    if not args.engine_step_timeout > 0:
+        print("error: --engine-step-timeout must be > 0", file=sys.stderr)
         return 2
     # The engine runs in its own process, but the thread that reads its step messages shares
     # the GIL with the event loop: when it wakes up while the loop is busy writing streams,
@@ -193,31 +277,55 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+            " (is another server running there? pick another --port)",
+            file=sys.stderr,
+        )
+        return 1
     metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine(config, max_queue_len=args.max_queue_len, observer=metrics)
+    engine = AsyncLLMEngine(
+        config,
+        max_queue_len=args.max_queue_len,
+        observer=metrics,
+        engine_step_timeout_s=args.engine_step_timeout,
+    )
     app = build_app(
         engine,
         metrics,
         names,
         api_key=args.api_key,
         shutdown_grace_s=args.shutdown_grace_seconds,
+        limits=RequestLimits(
+            max_sequences_per_request=args.max_sequences_per_request,
+            max_queue_len=args.max_queue_len,
+        ),
+        max_body_bytes=args.max_request_body_bytes,
+        cors=CorsSettings(
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        ),
     )
     uv_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=args.shutdown_grace_seconds,
+        # The drain has waited for the requests already; this bounds slow clients only.
+        timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    server = _make_server(uv_config, engine)
+    server = _make_server(uv_config, engine, args.shutdown_grace_seconds)
     example = _curl_example(args.host, args.port, names[0], args.api_key)
     threading.Thread(
         target=_watch_engine, args=(engine, server, example), name="ready-watch", daemon=True
     ).start()
     _ignore_reraised_signals()
-    server.run()
+    server.run(sockets=[sock])
     if engine.failure is not None:
         return 1
     return 0
@@ -229,15 +337,35 @@ def _ignore_reraised_signals() -> None:
             signal.signal(sig, lambda *_: None)
 
 
-def _make_server(config, engine):
-    """A uvicorn.Server that also marks the engine as draining the moment a signal
-    arrives, so /ready turns 503 (and the pod leaves its Service) before connections close."""
+def _make_server(config, engine, grace_s: float):
+    """A uvicorn.Server that drains before it stops: on the first signal it keeps serving
+    (new requests get 503) until the in-flight ones are done or the grace period is over,
+    then exits; a second signal aborts what is left and exits at once."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        draining = False
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
         def handle_exit(self, sig, frame) -> None:
+            loop = self.loop
+            if self.draining or loop is None or not engine.loaded:
+                if self.draining and loop is not None:  # abort what is left, now
+                    loop.call_soon_threadsafe(asyncio.ensure_future, engine.drain(0))
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
             engine.begin_drain()
-            super().handle_exit(sig, frame)
+            logger.info("draining: finishing in-flight requests for up to %g s", grace_s)
+            loop.call_soon_threadsafe(asyncio.ensure_future, self._drain())
+
+        async def _drain(self) -> None:
+            await engine.drain(grace_s)
+            self.should_exit = True
 
     return DrainingServer(config)
 

@@ -66,8 +66,17 @@ class ChunkEnvelope:
         self.head = "data: " + envelope.removesuffix('"choices":[]' + usage + "}") + '"choices":['
         self.tail = "]" + usage + "}\n\n"
 
-    def render(self, choices: list[str]) -> str:
-        return self.head + ",".join(choices) + self.tail
+    def render(self, choices: list[str], usage: dict[str, int] | None = None) -> str:
+        """The chunk; with ``usage`` (``stream_options.continuous_usage_stats``) it carries
+        the counts so far instead of null."""
+        tail = self.tail if usage is None else f'],"usage":{dumps(usage)}}}\n\n'
+        return self.head + ",".join(choices) + tail
+
+
+def continuous_usage(req: Any) -> bool:
+    """vLLM's ``continuous_usage_stats``: usage on every chunk (with ``include_usage``)."""
+    options = req.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 def choice_end(logprobs: dict[str, Any] | None, finish_reason: str | None, stop_reason) -> str:
@@ -85,7 +94,7 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 class CompletionServing(OpenAIServing):
-    def prepare_prompts(self, req: CompletionRequest) -> list[PreparedPrompt]:
+    def raw_prompts(self, req: CompletionRequest) -> list[str | list[int]]:
         prompt = req.prompt
         if isinstance(prompt, str):
             raw_prompts: list[str | list[int]] = [prompt]
@@ -95,6 +104,9 @@ class CompletionServing(OpenAIServing):
             raw_prompts = list(prompt)  # type: ignore[arg-type]
         if not raw_prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        return raw_prompts
+
+    def prepare_prompts(self, raw_prompts: list[str | list[int]]) -> list[PreparedPrompt]:
         prepared = []
         for item in raw_prompts:
             if isinstance(item, str):
@@ -114,10 +126,12 @@ class CompletionServing(OpenAIServing):
         self.check_model(req.model)
         self.check_ready()
         self.validate(req)
-        prompts = self.prepare_prompts(req)
+        raw_prompts = self.raw_prompts(req)
+        self.check_batch(len(raw_prompts), req.n)
+        prompts = await self.tokenizer_pool.run(raw, self.prepare_prompts, raw_prompts)
         max_tokens = min(self.resolve_max_tokens(len(p.token_ids), req.max_tokens) for p in prompts)
         params = self.sampling_params(req, max_tokens, req.logprobs)
-        request_id = self.new_request_id("cmpl")
+        request_id = self.new_request_id("cmpl", raw)
         stream = self.generate(prompts, params, request_id)
         try:
             first = await self.first_output(raw, stream)
@@ -232,6 +246,7 @@ class _CompletionView:
         envelope = ChunkEnvelope(self, "text_completion")
         sent_chars: dict[int, int] = {}
         num_tokens = 0
+        continuous = continuous_usage(self.req)
         try:
             pending: tuple[int, RequestOutput] | None = first
             while pending is not None:
@@ -240,7 +255,8 @@ class _CompletionView:
                 for completion in output.outputs:
                     num_tokens += len(completion.token_ids)
                 if choices:
-                    yield envelope.render(choices)
+                    counts = usage_counts(self.prompts, num_tokens) if continuous else None
+                    yield envelope.render(choices, counts)
                 pending = await anext(rest, None)
         except Exception as exc:
             error = engine_error(exc) or APIError(500, f"internal error: {type(exc).__name__}")

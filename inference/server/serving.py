@@ -3,7 +3,11 @@ SamplingParams, running a request against the async engine, logprob and usage sh
 
 Prompts are tokenized here rather than in the engine so that the length limits are checked
 (and a 400 naming them returned) before anything is queued, and so that usage counts are
-known without waiting for the engine.
+known without waiting for the engine. Tokenizing (and rendering a chat template) costs time
+in proportion to the body: a 10 MB prompt takes seconds. Bodies above ``INLINE_BODY_BYTES``
+are therefore prepared in a small thread pool (the tokenizer releases the GIL while it
+works), so one large request never stalls the event loop, other streams or ``/health``; the
+pool's size bounds how many such requests tokenize at once, the rest wait their turn.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +39,37 @@ T = TypeVar("T")
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this value.
 MIN_LOGPROB = -9999.0
 RETRY_AFTER_S = 1
+# Bodies up to this size are tokenized on the event loop: a thread hop would cost more.
+INLINE_BODY_BYTES = 16 * 1024
+TOKENIZER_THREADS = 2
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, beyond the model's own limits."""
+
+    # prompts x n: each is a sequence the engine runs (1,000 prompts x n=8 would hold it
+    # for minutes while every other client waits).
+    max_sequences_per_request: int = 1024
+    # The server's --max-queue-len: a batch with more prompts can never be admitted.
+    max_queue_len: int | None = None
+
+
+class TokenizerPool:
+    """Runs request preparation (chat template, tokenizer) off the event loop for large
+    bodies; at most ``num_threads`` at a time."""
+
+    def __init__(self, num_threads: int = TOKENIZER_THREADS) -> None:
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer")
+
+    async def run(self, raw: Request, fn: Callable[..., T], *args: Any) -> T:
+        length = raw.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) <= INLINE_BODY_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class ClientDisconnected(Exception):
@@ -48,9 +83,18 @@ class PreparedPrompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        *,
+        limits: RequestLimits | None = None,
+        tokenizer_pool: TokenizerPool | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.limits = limits or RequestLimits()
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool()
 
     @property
     def model_name(self) -> str:
@@ -79,7 +123,30 @@ class OpenAIServing:
 
     def check_ready(self) -> None:
         if not self.engine.ready:
-            raise APIError(503, "the model is not ready (loading, warming up or draining)")
+            raise APIError(
+                503,
+                "the model is not ready (loading, warming up or draining)",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """A request's size against the server's limits, before anything is tokenized."""
+        limits = self.limits
+        if num_prompts * n > limits.max_sequences_per_request:
+            raise APIError(
+                400,
+                f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                f"sequences; this server takes at most {limits.max_sequences_per_request} per "
+                "request (--max-sequences-per-request): split it into smaller requests",
+                param="prompt" if num_prompts > 1 else "n",
+            )
+        if limits.max_queue_len is not None and num_prompts > limits.max_queue_len:
+            raise APIError(
+                400,
+                f"the request holds {num_prompts} prompts, more than the server's queue "
+                f"(--max-queue-len {limits.max_queue_len}) can ever hold: split it",
+                param="prompt",
+            )
 
     # ----- prompts and limits -----------------------------------------------------------
 
@@ -131,11 +198,16 @@ class OpenAIServing:
             )
         return max_tokens
 
+    def logit_bias(self, req: _SamplingFields) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        bias = {int(token_id): value for token_id, value in req.logit_bias.items()}
+        self.check_token_ids(list(bias), "logit_bias")
+        return bias
+
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if req.n > self.engine.config.max_num_seqs:
             raise APIError(
                 400,
@@ -166,14 +238,17 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=self.logit_bias(req),
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
     # ----- running requests -------------------------------------------------------------
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def new_request_id(self, prefix: str, raw: Request) -> str:
+        """``prefix-<X-Request-Id>``: the client's id when it sent one (the middleware
+        sets a fresh one otherwise), as vLLM does."""
+        return f"{prefix}-{raw.state.request_id}"
 
     def generate(
         self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
@@ -276,7 +351,9 @@ def engine_error(exc: BaseException) -> APIError | None:
         return APIError(
             429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}
         )
-    if isinstance(exc, (EngineNotReadyError, RequestAbortedError)):
+    if isinstance(exc, EngineNotReadyError):
+        return APIError(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestAbortedError):
         return APIError(503, str(exc) or "the request was aborted")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc))

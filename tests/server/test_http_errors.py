@@ -44,6 +44,10 @@ def test_malformed_json_is_400(http):
         ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"prompt": [-5, 3]}, None),
         ({"prompt": "hi", "seed": 2**70}, "seed"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_bad_parameters_are_400(http, body, param):
@@ -59,7 +63,7 @@ def test_bad_parameters_are_400(http, body, param):
         {"prompt": []},
         {"prompt": "hi", "min_tokens": 20, "max_tokens": 10},
         {"prompt": "hi", "stop": [""]},
-        {"prompt": "hi", "logit_bias": {"5": 1.0}},
+        {"prompt": "hi", "logit_bias": {"10000000": 1.0}},  # outside the vocabulary
         {"prompt": [1, 2, 10_000_000]},
         {"prompt": "hi", "stop_token_ids": [10_000_000]},
         {"prompt": "hi", "n": 9},  # more than max_num_seqs
@@ -67,6 +71,41 @@ def test_bad_parameters_are_400(http, body, param):
 )
 def test_semantically_invalid_requests_are_400(http, body):
     assert_error(http.post("/v1/completions", json=body), 400)
+
+
+@pytest.mark.parametrize(
+    "url, body, param",
+    [
+        ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+        ("/v1/completions", r'{"prompt": ["ok", "a\udfffb"]}', "prompt.1"),
+        ("/v1/completions", r'{"prompt": "hi", "stop": ["\ud800"]}', "stop.0"),
+        ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "a\ud800b"}]}',
+         "messages.0.content"),
+        ("/tokenize", r'{"prompt": "a\ud800b"}', "prompt"),
+    ],
+)  # fmt: skip
+def test_lone_surrogate_is_400_naming_the_field(http, url, body, param):
+    """JSON can carry a lone UTF-16 surrogate that no tokenizer or encoder takes."""
+    headers = {"content-type": "application/json"}
+    error = assert_error(http.post(url, content=body.encode(), headers=headers), 400)
+    assert error["param"] == param
+    assert "surrogate" in error["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_validation_errors_name_fields_not_classes(http):
+    url = "/v1/chat/completions"
+    message = {"role": "user", "content": "hi"}
+    error = assert_error(http.post(url, json={"messages": [message], "tool_choice": "auto"}), 400)
+    assert error["param"] == "tool_choice" and "tools" in error["message"]
+    body = {"messages": [message], "stream": True, "stream_options": "yes"}
+    error = assert_error(http.post(url, json=body), 400)
+    assert error["param"] == "stream_options" and "StreamOptions" not in error["message"]
+    error = assert_error(http.post(url, json={"messages": ["hi"]}), 400)
+    assert error["param"] == "messages.0" and "ChatMessage" not in error["message"]
+    bad_part = {"role": "user", "content": [{"type": "image_url"}]}
+    error = assert_error(http.post(url, json={"messages": [bad_part]}), 400)
+    assert "[" not in error["param"], error  # no union member names such as list[...]
 
 
 def test_chat_errors_are_400(http):
