@@ -166,7 +166,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cors: CorsSettings | None = None,
 ) -> FastAPI:
-    limits = limits or RequestLimits(max_queue_len=engine.max_queue_len)
+    limits = limits or RequestLimits()
     tokenizer_pool = TokenizerPool()
     completions = CompletionServing(
         engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool

@@ -299,10 +299,7 @@ def run_serve(args: argparse.Namespace) -> int:
         names,
         api_key=args.api_key,
         shutdown_grace_s=args.shutdown_grace_seconds,
-        limits=RequestLimits(
-            max_sequences_per_request=args.max_sequences_per_request,
-            max_queue_len=args.max_queue_len,
-        ),
+        limits=RequestLimits(max_sequences_per_request=args.max_sequences_per_request),
         max_body_bytes=args.max_request_body_bytes,
         cors=CorsSettings(
             allowed_origins=args.allowed_origins,

@@ -51,8 +51,6 @@ class RequestLimits:
     # prompts x n: each is a sequence the engine runs (1,000 prompts x n=8 would hold it
     # for minutes while every other client waits).
     max_sequences_per_request: int = 1024
-    # The server's --max-queue-len: a batch with more prompts can never be admitted.
-    max_queue_len: int | None = None
 
 
 class TokenizerPool:
@@ -132,6 +130,7 @@ class OpenAIServing:
     def check_batch(self, num_prompts: int, n: int) -> None:
         """A request's size against the server's limits, before anything is tokenized."""
         limits = self.limits
+        max_queue_len = self.engine.max_queue_len
         if num_prompts * n > limits.max_sequences_per_request:
             raise APIError(
                 400,
@@ -140,11 +139,12 @@ class OpenAIServing:
                 "request (--max-sequences-per-request): split it into smaller requests",
                 param="prompt" if num_prompts > 1 else "n",
             )
-        if limits.max_queue_len is not None and num_prompts > limits.max_queue_len:
+        # Each prompt is one engine request: a batch longer than the queue never fits.
+        if max_queue_len is not None and num_prompts > max_queue_len:
             raise APIError(
                 400,
                 f"the request holds {num_prompts} prompts, more than the server's queue "
-                f"(--max-queue-len {limits.max_queue_len}) can ever hold: split it",
+                f"(--max-queue-len {max_queue_len}) can ever hold: split it",
                 param="prompt",
             )
 

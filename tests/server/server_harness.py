@@ -62,6 +62,8 @@ class ServerThread:
         max_queue_len: int | None = None,
         shutdown_grace_s: float = 5.0,
         engine_factory=None,
+        engine_step_timeout_s: float | None = None,
+        app_kwargs: dict | None = None,
         **engine_kwargs,
     ) -> None:
         import uvicorn
@@ -71,11 +73,18 @@ class ServerThread:
         config = EngineConfig.from_kwargs(model, served_model_name=names[0], **engine_kwargs)
         self.metrics = ServerMetrics(names[0])
         extra = {"engine_factory": engine_factory} if engine_factory is not None else {}
+        if engine_step_timeout_s is not None:
+            extra["engine_step_timeout_s"] = engine_step_timeout_s
         self.engine = AsyncLLMEngine(
             config, max_queue_len=max_queue_len, observer=self.metrics, **extra
         )
         self.app = build_app(
-            self.engine, self.metrics, names, api_key=api_key, shutdown_grace_s=shutdown_grace_s
+            self.engine,
+            self.metrics,
+            names,
+            api_key=api_key,
+            shutdown_grace_s=shutdown_grace_s,
+            **(app_kwargs or {}),
         )
         self.model_name = names[0]
         self._sock = socket.socket()

@@ -4,6 +4,7 @@ process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,14 @@ import threading
 import time
 
 import httpx
-from server_harness import FAULT_SEED, ServerThread, engine_failing_on_fault_seed, wait_until_gone
+from server_harness import (
+    FAULT_SEED,
+    ServerThread,
+    child_pids,
+    engine_failing_on_fault_seed,
+    start_subprocess_server,
+    wait_until_gone,
+)
 
 from inference.bench import serve as bench_serve
 from inference.bench import serve_trace
@@ -99,6 +107,77 @@ def test_engine_process_killed_mid_stream(tiny_model):
         assert_dead_server(server.base_url, "exited unexpectedly")
     finally:
         server.stop()
+
+
+def test_hung_engine_fails_health_and_requests(tiny_model):
+    """SIGSTOP of the engine process: neither dead nor answering. After the step timeout
+    /health is 503, in-flight requests end with an error, and the engine is killed."""
+    server = ServerThread(
+        tiny_model, num_kv_blocks=64, max_num_seqs=4, engine_step_timeout_s=3.0
+    ).start()
+    try:
+        pid = server.engine.engine_pid
+        base_url = server.base_url
+        thread, events, _ = start_stream(base_url, {**LONG, "max_tokens": 240, "stream": True})
+        waiting: dict = {}
+        plain = threading.Thread(
+            target=lambda: waiting.update(
+                response=httpx.post(f"{base_url}/v1/completions", json=LONG, timeout=60)
+            )
+        )
+        plain.start()
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() - stopped < 20, "/health stayed 200 with a stopped engine"
+            time.sleep(0.1)
+        detected = time.monotonic() - stopped
+        assert 2.5 < detected < 20, detected
+        thread.join(20)
+        plain.join(20)
+        assert not thread.is_alive() and not plain.is_alive(), "a request hung"
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "--engine-step-timeout" in errors[0]["error"]["message"], events
+        assert events[-1] == "[DONE]"
+        assert waiting["response"].status_code == 503, waiting["response"].text
+        assert "hung" in waiting["response"].json()["error"]["message"]
+        assert_dead_server(base_url, "hung")
+        assert wait_until_gone(pid, 10), "the hung engine process was not killed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_server_exits_nonzero_when_the_engine_is_killed(tiny_model):
+    """kill -9 of the engine: `pagoda serve` exits 1 at once, so Kubernetes restarts it."""
+    proc, base_url = start_subprocess_server(tiny_model, "--num-kv-blocks", "64")
+    try:
+        engine_pids = [pid for pid in child_pids(proc.pid) if "spawn_main" in _cmdline(pid)]
+        assert len(engine_pids) == 1, child_pids(proc.pid)
+        thread, events, _ = start_stream(base_url, {**LONG, "stream": True})
+        killed = time.monotonic()
+        os.kill(engine_pids[0], signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - killed
+        thread.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate(timeout=10)[0]
+    assert code == 1, output
+    assert elapsed < 10, elapsed
+    assert events[-1] == "[DONE]" and any("error" in e for e in events if isinstance(e, dict))
+    assert "exited unexpectedly" in output
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_step_trace_records_every_step(tiny_model, tmp_path, monkeypatch, capsys):

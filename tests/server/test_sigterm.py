@@ -1,14 +1,24 @@
-"""SIGTERM: stop accepting, finish in-flight requests within the grace period, exit 0."""
+"""SIGTERM: keep accepting connections while draining (new requests get 503 with
+Retry-After), finish in-flight requests within the grace period, then answer what is left
+with an OpenAI-shaped error, and exit 0. A port in use fails at once."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
-from server_harness import child_pids, start_subprocess_server, wait_until_gone
+from server_harness import (
+    ROOT,
+    child_pids,
+    start_subprocess_server,
+    wait_until_gone,
+)
 from tiny_models import build_tiny_model
 
 
@@ -47,16 +57,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
         children = child_pids(proc.pid)  # the engine process (and multiprocessing's tracker)
         assert children
         proc.send_signal(signal.SIGTERM)
-        # Draining: new connections are refused while the in-flight stream continues.
-        refused = False
+        # Draining: new connections are still accepted; new requests get 503 + Retry-After
+        # (and /ready 503, so the pod leaves its Service) while the stream continues.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not refused:
-            try:
-                httpx.get(f"{base_url}/health", timeout=2)
-                time.sleep(0.05)
-            except httpx.HTTPError:
-                refused = True
-        assert refused, "the server kept accepting connections after SIGTERM"
+        while httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"
+            time.sleep(0.02)
+        assert client.is_alive(), "the stream must still be running for this test to mean much"
+        late = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert late.status_code == 503, late.text
+        assert int(late.headers["retry-after"]) >= 1
+        assert late.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(f"{base_url}/health", timeout=5).status_code == 200
         client.join(timeout=120)
         assert proc.wait(timeout=60) == 0
         assert all(wait_until_gone(pid, 5) for pid in children), "an engine process outlived us"
@@ -81,24 +93,58 @@ def test_sigterm_grace_period_bounds_the_wait(tmp_path):
         "--shutdown-grace-seconds", "1",
     )  # fmt: skip
     try:
-        body = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+        body = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
         result: dict = {}
         first_chunk = threading.Event()
         client = threading.Thread(
-            target=stream_completion, args=(base_url, body, result, first_chunk)
-        )
+            target=stream_completion, args=(base_url, {**body, "stream": True}, result,
+                                            first_chunk),
+        )  # fmt: skip
         client.start()
+        plain: dict = {}
+        waiter = threading.Thread(
+            target=lambda: plain.update(
+                response=httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+            )
+        )
+        waiter.start()
         assert first_chunk.wait(60)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - started < 30
         client.join(timeout=30)
+        waiter.join(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=10)
-    assert not result.get("done"), "6,000 tokens cannot finish within a 1 s grace period"
+        output = proc.communicate(timeout=10)[0]
+    # 6,000 tokens cannot finish within a 1 s grace period: the stream ends with an error
+    # event and [DONE], the plain request with an OpenAI-shaped 503.
+    assert result.get("status") == 200 and result.get("done"), (result, output)
+    error = result["chunks"][-1]["error"]
+    assert "--shutdown-grace-seconds" in error["message"], error
+    response = plain["response"]
+    assert response.status_code == 503, response.text
+    assert "--shutdown-grace-seconds" in response.json()["error"]["message"]
+
+
+def test_port_in_use_fails_before_loading_the_model(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "inference.server.cli_serve", tiny_model,
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        ]  # fmt: skip
+        started = time.monotonic()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "in use" in done.stderr
+    assert "ready" not in done.stdout, "it must not load the model first"
+    assert time.monotonic() - started < 60
 
 
 def test_engine_process_exits_when_the_server_is_killed(tiny_model):
