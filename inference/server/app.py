@@ -266,7 +266,8 @@ def _add_tokenizer_routes(router: APIRouter, chat: ChatServing) -> None:
 
 
 def _add_probes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health")
     async def health() -> Response:
         """Liveness: the server answers and the engine process is alive and reporting."""
         problem = engine.health_problem
