@@ -453,7 +453,7 @@ class AsyncLLMEngine:
         streams = self._streams
         for request_id, finished, completions in outputs:
             stream = streams.get(request_id)
-            if stream is not None:
+            if stream is not None and not stream.aborted:
                 stream.items.append((finished, completions))
                 stream.wake()
 

@@ -98,16 +98,44 @@ class EngineInfo:
 
 @dataclass
 class StepTimings:
-    """Per-request latencies completed since the last message, in seconds."""
+    """Per-request latencies (seconds) and sizes completed since the last message. A
+    finished request (aborted ones included, as vLLM counts them) adds one value to each of
+    ``e2e``, ``queue`` ... ``generation_tokens``; vLLM's phases: queue (arrival to first
+    scheduled), prefill (to first token), decode (first to last token), inference
+    (first scheduled to last token)."""
 
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+    decode: list[float] = field(default_factory=list)
+    inference: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    generation_tokens: list[int] = field(default_factory=list)
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens run, per step
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
 
     def __bool__(self) -> bool:
-        return bool(self.ttft or self.itl or self.e2e or self.queue or self.finished)
+        return bool(self.ttft or self.itl or self.e2e or self.iteration_tokens or self.finished)
+
+    def add_finished(self, request: _CoreRequest, output: Any, now: float) -> None:
+        metrics = output.metrics
+        scheduled = metrics.first_scheduled_time if metrics is not None else None
+        first_token = metrics.first_token_time if metrics is not None else None
+        last_token = metrics.last_token_time if metrics is not None else None
+        arrival = request.arrival
+        self.e2e.append(max(0.0, now - arrival))
+        # Never scheduled (aborted while waiting): all of its life was queueing.
+        self.queue.append(max(0.0, (scheduled or now) - arrival))
+        if scheduled is not None:
+            self.prefill.append(max(0.0, (first_token or now) - scheduled))
+            self.decode.append(max(0.0, (last_token or now) - first_token) if first_token else 0.0)
+            self.inference.append(max(0.0, (last_token or now) - scheduled))
+        self.prompt_tokens.append(len(output.prompt_token_ids))
+        self.generation_tokens.append(request.num_generated)
+        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+        _count(self.finished, reasons[0] if reasons else "abort")
 
 
 def default_engine_factory(config: EngineConfig) -> Any:
@@ -127,7 +155,7 @@ class _StartError(Exception):
 class _CoreRequest:
     """What has been sent of one request, and its latency bookkeeping."""
 
-    __slots__ = ("arrival", "holdback", "sent_chars", "done", "last_token_time")
+    __slots__ = ("arrival", "holdback", "sent_chars", "done", "last_token_time", "num_generated")
 
     def __init__(self, arrival: float, params: SamplingParams) -> None:
         self.arrival = arrival
@@ -140,6 +168,7 @@ class _CoreRequest:
         self.sent_chars = [0] * params.n
         self.done = [False] * params.n
         self.last_token_time: float | None = None
+        self.num_generated = 0  # tokens of all n completions
 
 
 def plain_stats(stats: Any) -> types.SimpleNamespace:
@@ -171,6 +200,7 @@ class EngineCore:
         self.trace_path = os.environ.get(STEP_TRACE_ENV) or None
         self.trace: list[tuple] = []
         self.trace_totals: tuple[int, int] | None = None  # token counters before the step
+        self.computed_tokens = 0  # the engine's computed_tokens_total after the last step
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -226,6 +256,7 @@ class EngineCore:
         info = EngineInfo.from_engine(engine, tokenizer_path)
         stats = plain_stats(engine.stats())
         self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
+        self.computed_tokens = getattr(engine, "computed_tokens_total", None) or 0
         self._send([("ready", info, stats, self.num_adds)])
         logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
         return engine
@@ -246,6 +277,7 @@ class EngineCore:
             start = time.time()
             outputs = engine.step()
             now = time.time()
+            self._count_iteration_tokens(engine)
             items = self._deltas(outputs, now)
             timings, self.timings = self.timings, StepTimings()
             stats = plain_stats(engine.stats())
@@ -254,6 +286,14 @@ class EngineCore:
                 self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
                 self._check_health(engine)
+
+    def _count_iteration_tokens(self, engine: Any) -> None:
+        computed = getattr(engine, "computed_tokens_total", None)
+        if computed is None:
+            return
+        if computed > self.computed_tokens:
+            self.timings.iteration_tokens.append(computed - self.computed_tokens)
+        self.computed_tokens = computed
 
     def _check_health(self, engine: Any) -> None:
         self.next_health_check = time.monotonic() + HEALTH_CHECK_S
@@ -307,11 +347,9 @@ class EngineCore:
                 return
             self.requests[request_id] = _CoreRequest(arrival, params)
         elif kind == "abort":
-            request_ids = command[1]
-            for request_id in request_ids:
-                if self.requests.pop(request_id, None) is not None:
-                    _count(self.timings.finished, "abort")
-            engine.abort_request(request_ids)
+            # The engine hands each aborted request back as finished ("abort") with the
+            # next step: its latencies are counted then, like every other request's.
+            engine.abort_request(command[1])
         elif kind == "stats":
             pass  # every idle batch of commands is answered with stats anyway
         elif kind == "shutdown":
@@ -338,6 +376,7 @@ class EngineCore:
                     completions.append(delta)
                     num_new += len(delta[1])
             if num_new:
+                request.num_generated += num_new
                 if request.last_token_time is None:
                     timings.ttft.append(max(0.0, now - request.arrival))
                 else:
@@ -346,12 +385,7 @@ class EngineCore:
             finished = output.finished
             if finished:
                 del requests[output.request_id]
-                timings.e2e.append(max(0.0, now - request.arrival))
-                scheduled = output.metrics.first_scheduled_time if output.metrics else None
-                if scheduled is not None:
-                    timings.queue.append(max(0.0, scheduled - request.arrival))
-                reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-                _count(timings.finished, reasons[0] if reasons else "abort")
+                timings.add_finished(request, output, now)
             if completions or finished:
                 items.append((output.request_id, finished, completions))
         return items

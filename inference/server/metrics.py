@@ -7,6 +7,14 @@ taken after the step, counters advance by the deltas of the engine's running tot
 the per-request histograms take the latencies the engine process measured right after each
 step (TTFT, inter-token, end-to-end, queue) and its finish reasons. The hooks run on the
 event loop, once per step message, not once per request.
+
+Names, labels and buckets follow vLLM's ``vllm/v1/metrics/loggers.py``: token-count
+histograms use its 1-2-5 buckets up to ``max_model_len`` (so they are made once the engine
+has resolved it), a finished request counts in the phase histograms (queue, prefill,
+decode, inference) whether it completed or was aborted, and ``time_per_output_token``
+observes the same intervals as ``inter_token_latency``, as vLLM's did before it renamed
+the metric (dashboards read either). Process metrics (``process_*``) describe the server
+process, ``pagoda_engine_process_*`` the engine process, where the model's memory lives.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -42,7 +51,20 @@ REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 # EngineStats running totals -> the counter each one feeds.
 _TOTALS = {
@@ -113,11 +135,32 @@ class ServerMetrics:
             "Arrival to last token.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            REQUEST_LATENCY_BUCKETS,
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token (the intervals of inter_token_latency).",
+            ITL_BUCKETS,
         )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens run per engine step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        phases = {
+            "queue": "Arrival to first scheduled (WAITING phase).",
+            "prefill": "First scheduled to first token (PREFILL phase).",
+            "decode": "First token to last token (DECODE phase).",
+            "inference": "First scheduled to last token (RUNNING phase).",
+        }
+        self.phases = {
+            phase: histogram(
+                f"vllm:request_{phase}_time_seconds", doc, REQUEST_LATENCY_BUCKETS
+            )
+            for phase, doc in phases.items()
+        }
+        # Made in on_ready: their buckets depend on the resolved max_model_len.
+        self.request_prompt_tokens: Any = None
+        self.request_generation_tokens: Any = None
+        ProcessCollector(registry=self.registry)
         self._engine_info, self._cache_info = self._info_gauges()
         self._last_totals: dict[str, float] = {}
 
@@ -151,6 +194,21 @@ class ServerMetrics:
 
     def on_ready(self, info: Any, stats: Any) -> None:
         config = info.config
+        if self.request_prompt_tokens is None:
+            buckets = build_1_2_5_buckets(int(config.max_model_len))
+            labels = ["model_name"]
+            self.request_prompt_tokens = Histogram(
+                "vllm:request_prompt_tokens", "Prompt tokens per finished request.", labels,
+                buckets=buckets, registry=self.registry,
+            ).labels(self.model_name)  # fmt: skip
+            self.request_generation_tokens = Histogram(
+                "vllm:request_generation_tokens", "Generated tokens per finished request.",
+                labels, buckets=buckets, registry=self.registry,
+            ).labels(self.model_name)  # fmt: skip
+            engine_pid = info.pid
+            ProcessCollector(
+                namespace="pagoda_engine", pid=lambda: engine_pid, registry=self.registry
+            )
         num_blocks = "" if info.num_total_blocks is None else str(info.num_total_blocks)
         self._engine_info.labels(
             model_name=self.model_name,
@@ -191,8 +249,14 @@ class ServerMetrics:
             return
         observe_many(self.ttft, timings.ttft)
         observe_many(self.itl, timings.itl)
+        observe_many(self.tpot, timings.itl)
+        observe_many(self.iteration_tokens, timings.iteration_tokens)
         observe_many(self.e2e, timings.e2e)
-        observe_many(self.queue_time, timings.queue)
+        for phase, histogram in self.phases.items():
+            observe_many(histogram, getattr(timings, phase))
+        if self.request_prompt_tokens is not None:
+            observe_many(self.request_prompt_tokens, timings.prompt_tokens)
+            observe_many(self.request_generation_tokens, timings.generation_tokens)
         for reason, count in timings.finished.items():
             counter = self.request_success.get(reason)
             if counter is not None:

@@ -35,6 +35,16 @@ QUERIES = [
     "histogram_quantile(0.5, sum by (le, model_name) "
     "(max_over_time(vllm:inter_token_latency_seconds_bucket[5m])))",
     "pagoda:engine_config_info",
+    "vllm:cache_config_info",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:iteration_tokens_total_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "process_resident_memory_bytes",
+    "pagoda_engine_process_resident_memory_bytes",
 ]
 
 
@@ -177,3 +187,5 @@ def test_promql_returns_vllm_series_after_traffic(server, prometheus):
     assert info["block_size"] == "16"
     assert info["tensor_parallel_size"] == "1"
     assert info["gpu_memory_utilization"] == "0.9"
+    cache = series(prometheus, "vllm:cache_config_info")[0]["metric"]
+    assert cache["block_size"] == "16" and cache["num_gpu_blocks"] == "16"
