@@ -66,9 +66,9 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
             args += [flag, str(engine[field])]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
-    if engine.get("apiKeySecretRef"):
-        # Kubernetes expands $(VAR) from the container's env, so the key never sits in the spec.
-        args += ["--api-key", f"$({API_KEY_ENV})"]
+    # An apiKeySecretRef reaches the engine as the PAGODA_API_KEY environment variable
+    # (desired.engine_env), never as an argument: kubelet would expand "$(VAR)" into argv,
+    # readable by anyone who can list the node's processes.
     args += [str(arg) for arg in engine.get("extraArgs") or []]
     return args
 
