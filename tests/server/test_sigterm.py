@@ -45,7 +45,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
         tiny_model, "--num-kv-blocks", "64", "--shutdown-grace-seconds", "60"
     )
     try:
-        body = {"prompt": "The quick brown fox", "max_tokens": 120, "ignore_eos": True,
+        body = {"prompt": "The quick brown fox", "max_tokens": 400, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         result: dict = {}
         first_chunk = threading.Event()
