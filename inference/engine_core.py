@@ -57,6 +57,7 @@ HEARTBEAT_S = 1.0  # an idle core sends its stats this often: the server's liven
 HEALTH_CHECK_S = 1.0  # how often a busy core asks the engine whether its workers live
 PARENT_GRACE_S = 5.0  # after the parent died, how long the loop may take to notice by itself
 _WARMUP_MAX_STEPS = 10_000
+_WARMUP_PROMPT_TOKENS = 8
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -442,10 +443,12 @@ def _count(counts: dict[str, int], key: str) -> None:
 
 def _warm_up(engine: Any) -> None:
     """One short request through the whole path, so the first client does not pay for
-    lazy initialisation (kernel compilation, allocator growth, CUDA graph capture)."""
+    lazy initialisation (kernel compilation, allocator growth, CUDA graph capture). Its
+    prompt is token ids: some tokenizers (word-level ones) encode arbitrary text to nothing."""
     request_id = f"warmup-{uuid.uuid4().hex}"
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    engine.add_request(request_id, "Hello, warm-up.", params)
+    vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size", None) or 1
+    engine.add_request(request_id, [i % vocab_size for i in range(_WARMUP_PROMPT_TOKENS)], params)
     for _ in range(_WARMUP_MAX_STEPS):
         if not engine.has_unfinished_requests():
             return

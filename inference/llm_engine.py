@@ -226,7 +226,11 @@ class LLMEngine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            return prompt, self.tokenizer(prompt).input_ids
+            ids = self.tokenizer(prompt).input_ids
+            if not ids:
+                # A word-level tokenizer may drop every word it does not know.
+                raise ValueError(f"prompt {prompt[:40]!r} tokenizes to no tokens")
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
