@@ -11,13 +11,25 @@ only hands out block ids. Vocabulary:
 - ``cache_full_blocks(seq)``: publish the hashes of blocks that the step just filled.
 - ``free(seq)``: drop the sequence's references; blocks whose count reaches zero join the
   free list but keep their contents and hash until reused (LRU eviction).
+
+Block keys are SHA-256 digests chained from a root that names everything besides the
+tokens that decides a block's KV (model, dtype, KV-cache dtype): a 64-bit ``hash()`` of
+(parent, tokens) can collide (two parents congruent modulo 2**61 - 1 already do), and a
+collision would silently serve another prefix's KV. Token ids are hashed as the bytes of
+one int64 array per call, so a 100k-token prompt costs a few milliseconds.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import OrderedDict
 
+import numpy as np
+
 from inference.sequence import Sequence
+
+_HASH_SCHEME = b"pagoda-prefix-cache-sha256-v1"
 
 
 class Block:
@@ -26,28 +38,53 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained: a block's hash covers every token before it, so equal hashes mean equal
-    prefixes. Token ids are compared on lookup too, so a collision cannot corrupt output."""
-    return hash((parent_hash, token_ids))
+def prefix_cache_root(**identity: object) -> bytes:
+    """The digest every sequence's chain starts from. ``identity`` names what, besides the
+    tokens, decides a block's KV (model, dtype, KV-cache dtype; adapters when they come):
+    engines that differ in any of it never share a key."""
+    canonical = json.dumps(identity, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(_HASH_SCHEME + b"\0" + canonical.encode()).digest()
+
+
+def hash_block(parent: bytes, token_bytes: bytes, extra_key: bytes = b"") -> bytes:
+    """SHA-256 of (parent digest, the block's token ids as little-endian int64, an extra
+    key for what varies per request, such as an adapter). The parent is a fixed-size digest
+    and the tokens are length-prefixed, so the encoding is unambiguous."""
+    digest = hashlib.sha256(parent)
+    digest.update(len(token_bytes).to_bytes(4, "little"))
+    digest.update(token_bytes)
+    digest.update(extra_key)
+    return digest.digest()
+
+
+def token_bytes(token_ids: list[int]) -> bytes:
+    """The canonical encoding of token ids for ``hash_block``."""
+    return np.fromiter(token_ids, dtype="<i8", count=len(token_ids)).tobytes()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        root_hash: bytes = prefix_cache_root(),
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the first is reused first. Blocks holding cached
         # content go to the back when freed; empty ones to the front.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, served from the cache
 
@@ -69,9 +106,15 @@ class BlockManager:
         """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
         size = self.block_size
         hashes = seq.block_hashes
-        for i in range(len(hashes), seq.num_known_tokens // size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+        start, end = len(hashes), seq.num_known_tokens // size
+        if start >= end:
+            return
+        data = token_bytes(seq.token_ids[start * size : end * size])
+        parent = hashes[-1] if hashes else self.root_hash
+        step = size * 8
+        for offset in range(0, len(data), step):
+            parent = hash_block(parent, data[offset : offset + step])
+            hashes.append(parent)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq`` (empty if none)."""
@@ -85,9 +128,6 @@ class BlockManager:
         for i in range(max_blocks):
             block_id = self.hash_to_block_id.get(seq.block_hashes[i])
             if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != tuple(seq.token_ids[i * size : (i + 1) * size]):
                 break
             found.append(block_id)
         return found

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.block_manager import BlockManager
+from inference.block_manager import BlockManager, prefix_cache_root
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer
 from inference.engine_setup import (
@@ -111,8 +111,12 @@ class LLMEngine:
             self.runner.close()
             raise
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            prefix_cache_root(
+                model=str(self.model_path), load_format=config.load_format,
+                dtype=str(self.dtype), kv_cache_dtype=str(self.dtype),  # KV is kept in the model dtype
+            ),
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )

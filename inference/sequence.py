@@ -38,8 +38,8 @@ class Sequence:
     num_computed_tokens: int = field(init=False, default=0)
     num_cached_tokens: int = field(init=False, default=0)  # prompt tokens served by the prefix cache
     block_table: list[int] = field(init=False, default_factory=list)
-    # Hash of each full block of token_ids, for prefix caching; grows as blocks fill.
-    block_hashes: list[int] = field(init=False, default_factory=list)
+    # Digest of each full block of token_ids (chained), for prefix caching; grows as blocks fill.
+    block_hashes: list[bytes] = field(init=False, default_factory=list)
     num_published_blocks: int = field(init=False, default=0)  # full blocks offered to the cache
     finish_reason: str | None = field(init=False, default=None)
     stop_reason: int | str | None = field(init=False, default=None)
