@@ -4,9 +4,12 @@ The model runner calls the sampler once per step with one row of logits per sequ
 work happens on the logits' device, batched over rows; what comes back to the host is the chosen
 id per row and, only for rows that ask, their logprobs, in a single transfer.
 
-Order of processing: min_tokens masking, logit bias, penalties, then greedy rows take the argmax
-while the others go through temperature, top-k, top-p, min-p and an exponential race. Logprobs describe
-the raw distribution (before any of that), as vLLM V1 reports them by default.
+Order of processing, as in vLLM V1's sampler: min_tokens masking, logit bias, penalties, then
+greedy rows take the argmax while the others go through temperature, min-p, top-k, top-p and
+an exponential race. min-p comes first, on the whole (tempered) distribution, as vLLM V1's
+min-p logits processor does: its cut (probability below min_p times the largest) would be the
+same after top-k, but top-p's mass then counts only what min-p kept. Logprobs describe the raw
+distribution (before any of that), as vLLM V1 reports them by default.
 """
 
 from __future__ import annotations
@@ -188,12 +191,17 @@ def apply_top_k_top_p_min_p(
 ) -> torch.Tensor:
     """Set truncated tokens to -inf. Each argument is a [B] tensor, or None if off for all rows.
 
-    top_k <= 0 disables top-k for that row; ties with the k-th largest logit are kept. top-p
-    keeps the most likely tokens until their mass reaches top_p (top_p >= 1 keeps all); min-p
-    then drops tokens whose probability is below min_p times the largest one. `max_top_k`, the
-    largest enabled k, lets the top-k-only case avoid a full sort.
+    Applied in vLLM V1's order: min-p first drops tokens whose probability is below min_p
+    times the largest one; then top-k (top_k <= 0 disables it for that row; ties with the
+    k-th largest logit are kept); then top-p keeps the most likely remaining tokens until
+    their renormalised mass reaches top_p (top_p >= 1 keeps all). `max_top_k`, the largest
+    enabled k, lets the top-k-only case avoid a full sort.
     """
     vocab_size = logits.shape[-1]
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if top_k is not None:
         top_k = torch.where(top_k >= vocab_size, 0, top_k)
     if top_p is not None:
@@ -202,10 +210,6 @@ def apply_top_k_top_p_min_p(
         max_k = min(max_top_k or vocab_size, vocab_size)
         threshold = _top_k_threshold_by_topk(logits, top_k, max_k)
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
@@ -231,14 +235,19 @@ def _apply_top_k_top_p_sorted(
 def apply_top_k_top_p_min_p_reference(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
 ) -> torch.Tensor:
-    """Straightforward per-row version of the truncation; returns the [B, V] keep mask."""
+    """Straightforward per-row version of the truncation (min-p, top-k, top-p); returns the
+    [B, V] keep mask."""
     keep = torch.zeros(logits.shape, dtype=torch.bool)
     for row, values in enumerate(logits.double().cpu().tolist()):
         order = sorted(range(len(values)), key=lambda t: -values[t])
         kept = order
-        if 0 < top_k[row] < len(values):
-            kth = values[order[top_k[row] - 1]]
-            kept = [t for t in order if values[t] >= kth]
+        if min_p[row] > 0.0:
+            weights = _softmax_weights(values, kept)
+            largest = max(weights.values())
+            kept = [t for t in kept if weights[t] >= min_p[row] * largest]
+        if 0 < top_k[row] < len(kept):
+            kth = values[kept[top_k[row] - 1]]
+            kept = [t for t in kept if values[t] >= kth]
         if top_p[row] < 1.0:
             weights = _softmax_weights(values, kept)
             mass, nucleus = 0.0, []
@@ -248,10 +257,6 @@ def apply_top_k_top_p_min_p_reference(
                 nucleus.append(t)
                 mass += weights[t]
             kept = nucleus
-        if min_p[row] > 0.0:
-            weights = _softmax_weights(values, kept)
-            largest = max(weights.values())
-            kept = [t for t in kept if weights[t] >= min_p[row] * largest]
         keep[row, kept] = True
     return keep
 

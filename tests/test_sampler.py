@@ -147,6 +147,23 @@ def test_truncation_reference_on_hand_example() -> None:
     assert keep.tolist() == [[True, False, False, False]]
 
 
+def test_min_p_comes_before_top_p_as_in_vllm_v1() -> None:
+    # min_p = 0.3 drops 0.1 (< 0.3 * 0.4); the rest renormalises to (0.44, 0.33, 0.22), of
+    # which top_p = 0.75 keeps two. Top-p on the full distribution would have kept three.
+    logits = torch.tensor([[math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]])
+    expected = [[True, True, False, False]]
+    keep = apply_top_k_top_p_min_p_reference(logits, [0], [0.75], [0.3])
+    assert keep.tolist() == expected
+    out = apply_top_k_top_p_min_p(logits, top_p=torch.tensor([0.75]), min_p=torch.tensor([0.3]))
+    assert torch.isfinite(out).tolist() == expected
+    # min-p measures against the largest probability of the whole distribution, so with
+    # top-k it keeps the same tokens in either order.
+    out = apply_top_k_top_p_min_p(
+        logits, top_k=torch.tensor([3]), min_p=torch.tensor([0.6]), max_top_k=3
+    )
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+
+
 def test_top_p_stops_once_the_mass_reaches_top_p() -> None:
     # Four equal probabilities of exactly 0.25: two tokens reach top_p = 0.5, a third is too many.
     logits = torch.zeros(1, 4)
@@ -269,6 +286,9 @@ def test_logprobs_come_from_raw_logits() -> None:
         ({"temperature": 1.0, "top_k": 2}, [0.625, 0.375, 0.0]),
         ({"temperature": 1.0, "top_p": 0.6}, [0.625, 0.375, 0.0]),
         ({"temperature": 1.0, "min_p": 0.5}, [0.625, 0.375, 0.0]),
+        # min-p first (drops 0.2 < 0.5 * 0.5), then top-p over the rest: 0.625 reaches 0.6.
+        # Top-p first would have kept two tokens (0.5 < 0.6).
+        ({"temperature": 1.0, "min_p": 0.5, "top_p": 0.6}, [1.0, 0.0, 0.0]),
     ],
 )
 def test_sampling_frequencies_match_distribution(knobs: dict, expected: list[float]) -> None:

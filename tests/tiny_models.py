@@ -129,3 +129,37 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
             )
         outs.append(gen[0, len(prompt) :].tolist())
     return outs
+
+
+def build_successor_model(
+    folder: Path, successors: dict[int, int], added_tokens: list[str] = (), seed: int = 0
+):
+    """A tiny llama whose greedy next token is ``successors[last token]``: every layer's
+    output projections are zero, so the final hidden state is the current token's
+    (normalised) embedding, and the LM head row of ``successors[t]`` is token t's embedding.
+    Random unit embeddings in 64 dimensions are nearly orthogonal, so that row wins by a wide
+    margin. ``added_tokens`` join the tokenizer (ids from 320 up) before the model is sized.
+    Returns (tokenizer, hf_model)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    model = build_tiny_model(folder, "llama", vocab_size=384, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+        tokenizer.save_pretrained(folder)
+    assert len(tokenizer) <= 384
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        embed = torch.randn(384, 64, generator=generator)
+        embed /= embed.norm(dim=1, keepdim=True)
+        model.model.embed_tokens.weight.copy_(embed)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(384, 64)
+        for token, successor in successors.items():
+            head[successor] += embed[token]
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(folder)
+    return tokenizer, model
