@@ -195,6 +195,8 @@ class LLMEngine:
             raise ValueError(
                 f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
 
@@ -367,27 +369,33 @@ class LLMEngine:
             seq.cumulative_logprob += row_logprobs.sampled_logprob
         detok = request.detokenizers[seq.index]
         p = seq.params
-        is_eos = token_id in self.eos_token_ids and not p.ignore_eos
-        # EOS never enters the text; it stays in token_ids, as in vLLM.
-        if detok is not None and not is_eos:
-            detok.add(token_id)
-        finish, reason = self._check_stop(seq, token_id, is_eos, detok)
+        # EOS (unless ignored) and stop_token_ids end the request once min_tokens are out
+        # (the sampler forbids them before); as in vLLM, the token stays in token_ids but
+        # its text joins the output only with include_stop_str_in_output.
+        stop_token = token_id in p.all_stop_token_ids and seq.num_output_tokens >= p.min_tokens
+        num_new_chars = 0
+        if detok is not None and (not stop_token or p.include_stop_str_in_output):
+            num_new_chars = len(detok.add(token_id))
+        finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, reason
             self.scheduler.finish(seq)
 
-    def _check_stop(self, seq: Sequence, token_id: int, is_eos: bool, detok):
+    def _check_stop(
+        self, seq: Sequence, token_id: int, stop_token: bool, detok, num_new_chars: int
+    ):
         p = seq.params
         num_out = seq.num_output_tokens
-        if num_out >= p.min_tokens:
-            if is_eos:
-                return "stop", None
-            if token_id in p.stop_token_ids:
-                return "stop", token_id
-            if p.stop and detok is not None:
-                stop_str = _truncate_at_stop(detok, p.stop, p.include_stop_str_in_output)
-                if stop_str is not None:
-                    return "stop", stop_str
+        if stop_token:
+            is_eos = token_id in self.eos_token_ids and not p.ignore_eos
+            return "stop", None if is_eos else token_id
+        # vLLM ignores stop strings completed by the first min_tokens tokens.
+        if p.stop and detok is not None and num_new_chars and num_out > p.min_tokens:
+            stop_str = _truncate_at_stop(
+                detok, p.stop, p.include_stop_str_in_output, num_new_chars
+            )
+            if stop_str is not None:
+                return "stop", stop_str
         if num_out >= p.max_tokens or seq.num_known_tokens >= self.config.max_model_len:
             return "length", None
         return None, None
@@ -485,16 +493,20 @@ class LLMEngine:
         )
 
 
-def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], include: bool):
-    """If the text now contains a stop string, cut the text there and return the string."""
+def _truncate_at_stop(
+    detok: IncrementalDetokenizer, stops: list[str], include: bool, num_new_chars: int
+) -> str | None:
+    """If a stop string ends within the newest ``num_new_chars`` characters of the text, cut
+    the text there and return the string (vLLM's rule). The search starts ``len(stop) - 1``
+    characters before the new text, so a stop string straddling tokens is found, and it
+    covers all of the new text, however long one token's text is. Of several, the one that
+    ends first wins (ties: list order): what reading the text a character at a time finds."""
     text = detok.text
-    longest = max(len(s) for s in stops)
-    # Only the newest characters can complete a stop string not seen before.
-    search_from = max(0, len(text) - longest - 16)
+    first_new = len(text) - num_new_chars
     best: tuple[int, str] | None = None
     for stop in stops:
-        idx = text.find(stop, search_from)
-        if idx != -1 and (best is None or idx < best[0]):
+        idx = text.find(stop, max(0, first_new - len(stop) + 1))
+        if idx != -1 and (best is None or idx + len(stop) < best[0] + len(best[1])):
             best = (idx, stop)
     if best is None:
         return None

@@ -85,6 +85,11 @@ class SamplingParams:
             raise bad("prompt_logprobs", "must be in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings need detokenize=True (they are matched in the output text); "
+                "use stop_token_ids to stop without detokenizing"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
