@@ -117,8 +117,10 @@ class BlockManager:
             hashes.append(parent)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (empty if none)."""
-        if not self.enable_prefix_caching:
+        """Block ids holding the longest cached prefix of ``seq`` (empty if none). A request
+        for prompt logprobs reads nothing from the cache (as in vLLM): every prompt token's
+        hidden state must be computed; its blocks are still published for others."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         self._update_block_hashes(seq)
         size = self.block_size

@@ -34,7 +34,13 @@ from inference.model_files import load_tokenizer, resolve_model
 from inference.model_runner import StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from inference.sampler import RowLogprobs, SamplingMetadata, has_penalties
+from inference.sampler import (
+    PromptLogprobs,
+    PromptLogprobsRequest,
+    RowLogprobs,
+    SamplingMetadata,
+    has_penalties,
+)
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus
@@ -63,6 +69,8 @@ class _LaunchedStep:
     seqs: list[Sequence]  # the sampled sequences, in sample-row order
     positions: list[int]  # where each one's placeholder sits in its token_ids
     needs_sync: bool  # penalties read the tokens: the next step must see real ids
+    # Sequences whose prompt logprobs the step computes, with what was asked of the runner.
+    prompt_logprobs: list[tuple[Sequence, PromptLogprobsRequest]]
 
 
 @dataclass
@@ -74,6 +82,7 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     arrival_time: float
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -287,9 +296,10 @@ class LLMEngine:
             if s.num_computed_tokens + n == s.num_tokens
         ]
         sampled_seqs = [seqs[row] for row in sample_rows]
-        handle = self.runner.launch(
-            seqs, counts, sample_rows, self._sampling_metadata(sampled_seqs)
-        )
+        sampling = self._sampling_metadata(sampled_seqs)
+        sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts)
+        handle = self.runner.launch(seqs, counts, sample_rows, sampling)
+        prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         for seq, n in zip(seqs, counts):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -302,7 +312,7 @@ class LLMEngine:
             positions.append(seq.num_tokens)
             seq.append_placeholder(-1 - row)
         needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
-        return _LaunchedStep(handle, sampled_seqs, positions, needs_sync)
+        return _LaunchedStep(handle, sampled_seqs, positions, needs_sync, prompt_logprobs)
 
     def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
         """Put a launched step's sampled tokens in place of their placeholders, then check
@@ -310,6 +320,9 @@ class LLMEngine:
         sampled = step.handle.result()
         if sampled is None:
             return
+        for (seq, asked), result in zip(step.prompt_logprobs, sampled.prompt_logprobs, strict=True):
+            if not seq.is_finished:  # not aborted meanwhile
+                seq.prompt_logprobs.extend(self._prompt_logprob_dicts(asked.target_ids, result))
         touched: dict[str, _Request] = {}
         now = time.time()
         for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
@@ -411,6 +424,25 @@ class LLMEngine:
             )
         return entry
 
+    def _prompt_logprob_dicts(
+        self, target_ids: list[int], result: PromptLogprobs
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's shape: per prompt token, the prompt token and the top-k alternatives."""
+        dicts = []
+        decode = self._decode_one
+        for token_id, logprob, rank, top_ids, top_logprobs in zip(
+            target_ids, result.token_logprobs, result.ranks,
+            result.top_token_ids, result.top_logprobs, strict=True,
+        ):  # fmt: skip
+            entry = {
+                tid: Logprob(lp, i + 1, decode(tid))
+                for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs))
+            }
+            if token_id not in entry:
+                entry[token_id] = Logprob(logprob, rank, decode(token_id))
+            dicts.append(entry)
+        return dicts
+
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -459,7 +491,20 @@ class LLMEngine:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=self._ready_prompt_logprobs(request),
         )
+
+    def _ready_prompt_logprobs(self, request: _Request) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs once every prompt token has its entry; delta outputs carry
+        them once (with the first token, as vLLM sends them)."""
+        prompt_logprobs = request.seqs[0].prompt_logprobs
+        if prompt_logprobs is None or len(prompt_logprobs) < len(request.prompt_token_ids):
+            return None
+        if self.delta_outputs:
+            if request.prompt_logprobs_sent:
+                return None
+            request.prompt_logprobs_sent = True
+        return prompt_logprobs
 
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
@@ -491,6 +536,31 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
         )
+
+
+def _prompt_logprobs_requests(
+    seqs: list[Sequence], counts: list[int]
+) -> list[PromptLogprobsRequest]:
+    """What this step must score of each prompt: the positions it computes whose next token
+    is a prompt token not asked for yet (chunk by chunk; never twice after a preemption)."""
+    requests = []
+    for row, (seq, count) in enumerate(zip(seqs, counts)):
+        if seq.prompt_logprobs is None:
+            continue
+        computed = seq.num_computed_tokens
+        start = max(computed, seq.num_prompt_logprob_positions)
+        end = min(computed + count, seq.num_prompt_tokens - 1)
+        if start >= end:
+            continue
+        requests.append(
+            PromptLogprobsRequest(
+                row=row, first=start - computed, num_positions=end - start,
+                target_ids=seq.prompt_token_ids[start + 1 : end + 1],
+                num_logprobs=seq.params.prompt_logprobs,
+            )
+        )  # fmt: skip
+        seq.num_prompt_logprob_positions = end
+    return requests
 
 
 def _truncate_at_stop(

@@ -19,7 +19,14 @@ from inference.distributed.parallel_state import SINGLE, ParallelContext, kv_hea
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
-from inference.sampler import SampledTokens, Sampler, SamplerOutput, SamplingMetadata
+from inference.sampler import (
+    SampledTokens,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    prompt_logprobs_to_host,
+)
 from inference.sequence import Sequence
 from kernels._backend import kernel_for
 
@@ -233,8 +240,14 @@ class ModelRunner:
                 hidden = self.forward(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = None
+        if sampling.prompt_logprobs:
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, inputs.query_start_loc,
+                sampling.prompt_logprobs,
+            )  # fmt: skip
         if not sample_rows:
-            return StepHandle(None)
+            return StepHandle(None, prompt_logprobs)
         last_rows = inputs.query_start_loc[1:][sample_rows] - 1
         if len(last_rows) == inputs.num_seqs and inputs.max_query_len == 1:
             last_hidden = hidden  # pure decode, every row sampled: no gather
@@ -243,17 +256,24 @@ class ModelRunner:
         logits = self.model.compute_logits(last_hidden)
         sampled = self.sampler.sample(logits, sampling)
         self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
-        return StepHandle(sampled.start_copy_to_host())
+        return StepHandle(sampled.start_copy_to_host(), prompt_logprobs)
 
 
 class StepHandle:
-    """A launched step; ``result()`` waits for its sampled tokens (None: nothing sampled)."""
+    """A launched step; ``result()`` waits for its sampled tokens and prompt logprobs
+    (None: nothing sampled and no prompt logprobs asked for)."""
 
-    def __init__(self, sampled: SampledTokens | None) -> None:
+    def __init__(self, sampled: SampledTokens | None, prompt_logprobs=None) -> None:
         self._sampled = sampled
+        self._prompt_logprobs = prompt_logprobs
 
     def result(self) -> SamplerOutput | None:
-        return None if self._sampled is None else self._sampled.to_host()
+        if self._sampled is None and not self._prompt_logprobs:
+            return None
+        output = SamplerOutput([], []) if self._sampled is None else self._sampled.to_host()
+        if self._prompt_logprobs:
+            output.prompt_logprobs = prompt_logprobs_to_host(self._prompt_logprobs)
+        return output
 
 
 def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ distribution (before any of that), as vLLM V1 reports them by default.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -28,6 +29,31 @@ _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _GREED
 
 
 @dataclass
+class PromptLogprobsRequest:
+    """One sequence's prompt logprobs wanted from this step: the hidden states of
+    ``num_positions`` consecutive query tokens, from the ``first``-th of its row's query,
+    each scored against the prompt token that follows it (``target_ids``)."""
+
+    row: int  # the sequence's row in the step
+    first: int
+    num_positions: int
+    target_ids: list[int]
+    num_logprobs: int  # the top alternatives wanted besides the prompt token
+
+
+@dataclass
+class PromptLogprobs:
+    """The answer to one ``PromptLogprobsRequest``, on the host: per position, the target
+    token's logprob and rank (1 = most likely), and the most likely tokens, best first."""
+
+    row: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class SamplingMetadata:
     params: list[SamplingParams]  # one per row
     prompt_token_ids: list[list[int]]  # per row
@@ -36,6 +62,8 @@ class SamplingMetadata:
     # per row, tokens generated so far (min_tokens); None: len(output_token_ids), for callers
     # that pass every row's full output
     num_output_tokens: list[int] | None = None
+    # Rows of the step (any, not only sampled ones) whose prompt logprobs are wanted.
+    prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
     def output_counts(self) -> list[int]:
         if self.num_output_tokens is not None:
@@ -55,6 +83,50 @@ class RowLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # chosen token per row
     logprobs: list[RowLogprobs | None]  # None where params.logprobs is None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+# Hidden states turned into full-vocabulary logits at a time for prompt logprobs: a whole
+# prefill chunk at once would need chunk x vocabulary floats (16k x 152k: 10 GB).
+_PROMPT_LOGPROBS_ROWS = 512
+
+
+def compute_prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    query_start_loc: np.ndarray,
+    requests: list[PromptLogprobsRequest],
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Prompt logprobs from a step's hidden states, left on the device: per request, its
+    row, the targets' logprobs and ranks, and the top-k ids and logprobs. Raw distribution
+    (no temperature or penalties), as vLLM reports them."""
+    results = []
+    for request in requests:
+        start = int(query_start_loc[request.row]) + request.first
+        targets = _to_device(request.target_ids, torch.int64, hidden.device)
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for offset in range(0, request.num_positions, _PROMPT_LOGPROBS_ROWS):
+            end = min(offset + _PROMPT_LOGPROBS_ROWS, request.num_positions)
+            logprobs = compute_logits(hidden[start + offset : start + end]).log_softmax(dim=-1)
+            chosen = logprobs.gather(1, targets[offset:end].unsqueeze(1))
+            top = logprobs.topk(request.num_logprobs, dim=-1)
+            parts[0].append(chosen.squeeze(1))
+            parts[1].append((logprobs > chosen).sum(dim=-1) + 1)
+            parts[2].append(top.indices)
+            parts[3].append(top.values)
+        results.append((request.row, *(torch.cat(p) for p in parts)))
+    return results
+
+
+def prompt_logprobs_to_host(
+    results: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> list[PromptLogprobs]:
+    return [
+        PromptLogprobs(
+            row, chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()
+        )
+        for row, chosen, ranks, top_ids, top_values in results
+    ]
 
 
 def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -44,6 +44,12 @@ class Sequence:
     finish_reason: str | None = field(init=False, default=None)
     stop_reason: int | str | None = field(init=False, default=None)
     logprobs: list[dict[int, Logprob]] = field(init=False, default_factory=list)
+    # Prompt logprobs (params.prompt_logprobs, first of a request's n sequences only): None
+    # for the first prompt token, then one dict per prompt token as its chunk completes.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(init=False, default=None)
+    # Prompt positions whose logprobs have been asked of the runner (a recompute after
+    # preemption does not ask again).
+    num_prompt_logprob_positions: int = field(init=False, default=0)
     cumulative_logprob: float = field(init=False, default=0.0)
     num_preemptions: int = field(init=False, default=0)
     # Placeholders at the end of token_ids for tokens sampled on the device but not yet read
@@ -57,6 +63,12 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:
