@@ -101,7 +101,9 @@ class _Stream:
             waiter.set_result(None)
 
 
-def _delta_output(request_id: str, finished: bool, completions: list[tuple]) -> RequestOutput:
+def _delta_output(
+    request_id: str, finished: bool, completions: list[tuple], prompt_logprobs: list | None
+) -> RequestOutput:
     return RequestOutput(
         request_id=request_id,
         prompt=None,
@@ -111,6 +113,7 @@ def _delta_output(request_id: str, finished: bool, completions: list[tuple]) -> 
             for index, token_ids, text, logprobs, cumulative, finish, stop in completions
         ],
         finished=finished,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -392,8 +395,8 @@ class AsyncLLMEngine:
                         await stream.waiter
                     finally:
                         stream.waiter = None
-                finished, completions = items.popleft()
-                output = _delta_output(request_id, finished, completions)
+                finished, completions, prompt_logprobs = items.popleft()
+                output = _delta_output(request_id, finished, completions, prompt_logprobs)
                 if accumulator is not None:
                     accumulator.add(output)
                     output = accumulator.output()
@@ -451,10 +454,10 @@ class AsyncLLMEngine:
         if self.observer is not None:
             self.observer.on_stats(stats, timings)
         streams = self._streams
-        for request_id, finished, completions in outputs:
+        for request_id, finished, completions, prompt_logprobs in outputs:
             stream = streams.get(request_id)
             if stream is not None and not stream.aborted:
-                stream.items.append((finished, completions))
+                stream.items.append((finished, completions, prompt_logprobs))
                 stream.wake()
 
     def _on_ready(self, info: EngineInfo, stats: Any, num_adds: int) -> None:

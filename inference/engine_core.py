@@ -27,7 +27,8 @@ core -> server: a list of messages, each one of
     ("dead", reason)                     fatal; the process exits right after
 ``adds`` counts the add commands taken so far (the server estimates its queue with it);
 ``outputs`` is a list of ``(request_id, finished, [(index, new_token_ids, new_text,
-new_logprobs, cumulative_logprob, finish_reason, stop_reason), ...])``.
+new_logprobs, cumulative_logprob, finish_reason, stop_reason), ...], prompt_logprobs)``;
+``prompt_logprobs`` is None but once, with the first token, for requests that asked.
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ class EngineCore:
                 del requests[output.request_id]
                 timings.add_finished(request, output, now)
             if completions or finished:
-                items.append((output.request_id, finished, completions))
+                items.append((output.request_id, finished, completions, output.prompt_logprobs))
         return items
 
     # ----- sending -----------------------------------------------------------------------

@@ -57,7 +57,9 @@ class OutputAccumulator:
     sends (new token ids, new text, new logprobs), in amortised O(new) per step; a
     cumulative ``RequestOutput`` is materialised only when asked for."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "_completions")
+    __slots__ = (
+        "request_id", "prompt", "prompt_token_ids", "finished", "prompt_logprobs", "_completions",
+    )  # fmt: skip
 
     def __init__(
         self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None
@@ -66,6 +68,7 @@ class OutputAccumulator:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids or []
         self.finished = False
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         # index -> [text pieces, token ids, logprobs or None, cumulative logprob, finish, stop]
         self._completions: dict[int, list] = {}
 
@@ -85,6 +88,8 @@ class OutputAccumulator:
             entry[4] = c.finish_reason
             entry[5] = c.stop_reason
         self.finished = self.finished or delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     def output(self) -> RequestOutput:
         completions = []
@@ -110,4 +115,5 @@ class OutputAccumulator:
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -1,17 +1,25 @@
-"""POST /v1/completions: text or token-id prompts, one or many, streamed or not."""
+"""POST /v1/completions: text or token-id prompts, one or many, streamed or not.
+
+``echo`` with ``logprobs`` puts the prompt's own tokens, with their logprobs (the first
+one has none), before the completion's, as vLLM and OpenAI's legacy API do; with
+``max_tokens: 0`` the response is the prompt alone: prompt scoring, as lm-eval-harness's
+local-completions asks for it. Text offsets count from the start of the choice's text,
+echoed prompt included, streamed or not.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from inference.outputs import CompletionOutput, RequestOutput
+from inference.outputs import CompletionOutput, Logprob, RequestOutput
 from inference.server.errors import APIError, error_body
 from inference.server.protocol import CompletionRequest
 from inference.server.serving import (
@@ -121,6 +129,11 @@ class CompletionServing(OpenAIServing):
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of different from n is not supported", param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(
+                400, "max_tokens must be at least 1, or 0 together with echo (prompt scoring)",
+                param="max_tokens",
+            )  # fmt: skip
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -129,8 +142,12 @@ class CompletionServing(OpenAIServing):
         raw_prompts = self.raw_prompts(req)
         self.check_batch(len(raw_prompts), req.n)
         prompts = await self.tokenizer_pool.run(raw, self.prepare_prompts, raw_prompts)
-        max_tokens = min(self.resolve_max_tokens(len(p.token_ids), req.max_tokens) for p in prompts)
+        # Prompt scoring still samples one token (the engine always does); it is not shown.
+        wanted = 1 if req.max_tokens == 0 else req.max_tokens
+        max_tokens = min(self.resolve_max_tokens(len(p.token_ids), wanted) for p in prompts)
         params = self.sampling_params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params = replace(params, prompt_logprobs=req.logprobs)
         request_id = self.new_request_id("cmpl", raw)
         stream = self.generate(prompts, params, request_id)
         try:
@@ -169,6 +186,11 @@ class _CompletionView:
         self.request_id = request_id
         self.created = int(time.time())
         self.model = serving.model_name
+        self.echo = bool(req.echo)
+        self.prompt_only = self.echo and req.max_tokens == 0  # prompt scoring
+        # Per prompt: its logprobs, which the engine sends once (streaming needs them for
+        # every choice's first chunk).
+        self.prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
 
     def prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
@@ -176,26 +198,25 @@ class _CompletionView:
             return prompt.text
         return self.serving.tokenizer.decode(prompt.token_ids)
 
-    def logprobs(
-        self, completion: CompletionOutput, start: int, text_offset: int
-    ) -> dict[str, Any] | None:
-        if self.req.logprobs is None or completion.logprobs is None:
-            return None
+    def logprobs_payload(
+        self, token_ids: list[int], entries: list[dict[int, Logprob] | None], text_offset: int
+    ) -> dict[str, list]:
+        """OpenAI's logprobs object for these tokens; a token without an entry (a prompt's
+        first) gets null logprobs, as in vLLM."""
         tokenizer = self.serving.tokenizer
+        limit = max(self.req.logprobs or 0, 1)
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for token_id, entry in zip(
-            completion.token_ids[start:], completion.logprobs[start:], strict=False
-        ):
-            sampled = entry.get(token_id)
-            text = token_text(tokenizer, token_id, sampled)
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            chosen = entry.get(token_id) if entry is not None else None
+            text = token_text(tokenizer, token_id, chosen)
             tokens.append(text)
-            token_logprobs.append(clamp_logprob(sampled.logprob) if sampled else None)
+            token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
             tops.append(
-                {
+                None if entry is None else {
                     token_text(tokenizer, tid, lp): clamp_logprob(lp.logprob)
-                    for tid, lp in top_logprobs(entry, max(self.req.logprobs, 1))
+                    for tid, lp in top_logprobs(entry, limit)
                 }
-            )
+            )  # fmt: skip
             offsets.append(text_offset)
             text_offset += len(text)
         return {
@@ -205,28 +226,64 @@ class _CompletionView:
             "text_offset": offsets,
         }
 
+    def logprobs(
+        self, prompt_index: int, completion: CompletionOutput, text_offset: int, echoed: bool
+    ) -> dict[str, Any] | None:
+        """The choice's logprobs: the echoed prompt's tokens first when ``echoed`` (this
+        output carries the echo), then the completion's from ``text_offset``."""
+        if self.req.logprobs is None:
+            return None
+        payload: dict[str, list] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+        }  # fmt: skip
+        parts = []
+        if echoed:
+            prompt_ids = self.prompts[prompt_index].token_ids
+            entries = self.prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
+            parts.append(self.logprobs_payload(prompt_ids, entries, 0))
+        if not self.prompt_only and completion.logprobs is not None:
+            parts.append(
+                self.logprobs_payload(completion.token_ids, completion.logprobs, text_offset)
+            )
+        if not parts:
+            return None
+        for part in parts:
+            for key, values in part.items():
+                payload[key].extend(values)
+        return payload
+
+    def remember_prompt_logprobs(self, prompt_index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+
     def full_response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         choices = []
         for prompt_index in sorted(finals):
             output = finals[prompt_index]
-            prefix = self.prompt_text(prompt_index) if self.req.echo else ""
+            self.remember_prompt_logprobs(prompt_index, output)
+            prefix = self.prompt_text(prompt_index) if self.echo else ""
             for completion in output.outputs:
+                text = prefix if self.prompt_only else prefix + completion.text
                 choices.append(
                     {
                         "index": prompt_index * self.req.n + completion.index,
-                        "text": prefix + completion.text,
-                        "logprobs": self.logprobs(completion, 0, len(prefix)),
+                        "text": text,
+                        "logprobs": self.logprobs(prompt_index, completion, len(prefix), self.echo),
                         "finish_reason": completion.finish_reason,
                         "stop_reason": completion.stop_reason,
                     }
                 )
+        if self.prompt_only:
+            counts = usage_counts(self.prompts, 0)  # the sampled token is not returned
+        else:
+            counts = usage(self.prompts, finals)
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(self.prompts, finals),
+            "usage": counts,
         }
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,8 +309,9 @@ class _CompletionView:
             while pending is not None:
                 prompt_index, output = pending
                 choices = self._delta_choices(prompt_index, output, sent_chars)
-                for completion in output.outputs:
-                    num_tokens += len(completion.token_ids)
+                if not self.prompt_only:
+                    for completion in output.outputs:
+                        num_tokens += len(completion.token_ids)
                 if choices:
                     counts = usage_counts(self.prompts, num_tokens) if continuous else None
                     yield envelope.render(choices, counts)
@@ -274,19 +332,26 @@ class _CompletionView:
     ) -> list[str]:
         # The engine sends a completion only when it has new tokens, new text or its finish
         # reason: a token that adds no text yet (half a UTF-8 character) still gets its
-        # chunk, as in vLLM: clients count tokens by chunks.
+        # chunk, as in vLLM: clients count tokens by chunks. ``sent_chars`` counts each
+        # choice's characters sent so far, echoed prompt included: the text offsets' origin.
+        self.remember_prompt_logprobs(prompt_index, output)
         choices = []
         n = self.req.n
         for completion in output.outputs:
             index = prompt_index * n + completion.index
             start_chars = sent_chars.get(index)
-            text = completion.text
+            echoed = start_chars is None and self.echo
+            text = "" if self.prompt_only else completion.text
             if start_chars is None:
                 start_chars = 0
-                if self.req.echo:
-                    text = self.prompt_text(prompt_index) + text
-            sent_chars[index] = start_chars + len(completion.text)
-            logprobs = self.logprobs(completion, 0, start_chars)
+                if echoed:
+                    prompt_text = self.prompt_text(prompt_index)
+                    start_chars = len(prompt_text)
+                    text = prompt_text + text
+            elif self.prompt_only and completion.finish_reason is None:
+                continue  # nothing of the sampled token is shown
+            sent_chars[index] = start_chars + (0 if self.prompt_only else len(completion.text))
+            logprobs = self.logprobs(prompt_index, completion, start_chars, echoed)
             choices.append(
                 f'{{"index":{index},"text":{dumps(text)}'
                 + choice_end(logprobs, completion.finish_reason, completion.stop_reason)

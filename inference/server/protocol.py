@@ -133,7 +133,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=_INT64_MAX)
+    # 0 with echo: score the prompt only (its logprobs), as lm-eval-harness does.
+    max_tokens: int | None = Field(16, ge=0, le=_INT64_MAX)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
