@@ -57,9 +57,17 @@ def _workload(llm: LLM) -> dict[str, list]:
         "seeded": llm.generate(prompts[:3], SEEDED, use_tqdm=False),
         "prefix": llm.generate([shared + p[:6] for p in prompts[:3]], GREEDY, use_tqdm=False),
     }
+    # Prompt logprobs of a chunked prompt travel back from rank 0 with the step's result.
+    scored = llm.generate(prompts[4], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                          use_tqdm=False)[0].prompt_logprobs  # fmt: skip
     return {
         name: [[c.token_ids for c in o.outputs] for o in outs] for name, outs in out.items()
-    } | {"cached": [o.num_cached_tokens for o in out["prefix"]]}
+    } | {
+        "cached": [o.num_cached_tokens for o in out["prefix"]],
+        "prompt_logprobs": [
+            None if e is None else {t: lp.logprob for t, lp in e.items()} for e in scored
+        ],
+    }
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -90,6 +98,15 @@ def test_seeded_sampling_matches_single_rank(outputs_by_tp):
 def test_prefix_cache_hits_match_single_rank(outputs_by_tp):
     assert outputs_by_tp[2]["prefix"] == outputs_by_tp[1]["prefix"]
     assert outputs_by_tp[2]["cached"] == [48, 48, 48]
+
+
+def test_prompt_logprobs_match_single_rank(outputs_by_tp):
+    tp1, tp2 = outputs_by_tp[1]["prompt_logprobs"], outputs_by_tp[2]["prompt_logprobs"]
+    assert len(tp1) == len(tp2) == 150 and tp1[0] is None and tp2[0] is None
+    for one, two in zip(tp1[1:], tp2[1:], strict=True):
+        assert one.keys() == two.keys() or len(one) == len(two)  # near-ties may swap
+        common = one.keys() & two.keys()
+        assert [one[t] for t in common] == pytest.approx([two[t] for t in common], abs=1e-4)
 
 
 def test_synchronous_and_penalised_steps_match_single_rank(tmp_path):
