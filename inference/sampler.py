@@ -87,8 +87,9 @@ class SamplerOutput:
 
 
 # Hidden states turned into full-vocabulary logits at a time for prompt logprobs: a whole
-# prefill chunk at once would need chunk x vocabulary floats (16k x 152k: 10 GB).
-_PROMPT_LOGPROBS_ROWS = 512
+# prefill chunk at once would need chunk x vocabulary floats (16k x 152k: 10 GB); 256 rows
+# of a 152k vocabulary take about 160 MB per intermediate.
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 def compute_prompt_logprobs(
