@@ -145,6 +145,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+        # Sequences with prompt positions still to score (prompt_logprobs): steps look for
+        # prompt-logprob work only while there are any.
+        self._unscored: set[Sequence] = set()
 
     def _size_kv_cache(self) -> int:
         """Profile, allocate the KV cache and capture graphs; returns the block count."""
@@ -234,6 +237,8 @@ class LLMEngine:
         )
         for seq in seqs:
             self.scheduler.add(seq)
+            if seq.prompt_logprobs is not None and seq.num_prompt_tokens > 1:
+                self._unscored.add(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -262,6 +267,7 @@ class LLMEngine:
             if request is None:
                 continue
             for seq in request.seqs:
+                self._unscored.discard(seq)
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
                     seq.finish_reason = "abort"
@@ -297,7 +303,8 @@ class LLMEngine:
         ]
         sampled_seqs = [seqs[row] for row in sample_rows]
         sampling = self._sampling_metadata(sampled_seqs)
-        sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts)
+        if self._unscored:
+            sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts, self._unscored)
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         for seq, n in zip(seqs, counts):
@@ -539,13 +546,14 @@ class LLMEngine:
 
 
 def _prompt_logprobs_requests(
-    seqs: list[Sequence], counts: list[int]
+    seqs: list[Sequence], counts: list[int], unscored: set[Sequence]
 ) -> list[PromptLogprobsRequest]:
     """What this step must score of each prompt: the positions it computes whose next token
-    is a prompt token not asked for yet (chunk by chunk; never twice after a preemption)."""
+    is a prompt token not asked for yet (chunk by chunk; never twice after a preemption).
+    A sequence leaves ``unscored`` once every position has been asked for."""
     requests = []
     for row, (seq, count) in enumerate(zip(seqs, counts)):
-        if seq.prompt_logprobs is None:
+        if seq not in unscored:
             continue
         computed = seq.num_computed_tokens
         start = max(computed, seq.num_prompt_logprob_positions)
@@ -560,6 +568,8 @@ def _prompt_logprobs_requests(
             )
         )  # fmt: skip
         seq.num_prompt_logprob_positions = end
+        if end == seq.num_prompt_tokens - 1:
+            unscored.discard(seq)
     return requests
 
 

@@ -102,3 +102,18 @@ def test_delta_outputs_carry_prompt_logprobs_once(model):
     first_tokens, prompt_logprobs = carried[0]
     assert len(first_tokens) >= 1  # sent with the first token
     check(prompt_logprobs, PROMPT, reference(hf, PROMPT), k=2)
+    assert not engine._unscored  # nothing left to score: steps skip the search
+
+
+def test_abort_mid_prefill_leaves_nothing_to_score(model):
+    folder, _ = model
+    llm = LLM(folder, max_model_len=128, block_size=8, max_num_batched_tokens=16,
+              num_kv_blocks=64)  # fmt: skip
+    engine = llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    engine.step()  # the first 16-token chunk of 45
+    assert engine._unscored
+    engine.abort_request("r")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine._unscored
