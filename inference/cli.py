@@ -3,6 +3,7 @@
   pagoda serve [MODEL] [--port 8000 ...]     OpenAI-compatible server (vLLM flag names)
   pagoda bench throughput|latency|serve ...  the numbers people quote
   pagoda chat "question" [--model MODEL]     one answer through the offline API
+  pagoda download URI DIR                    weights from hf://, s3:// or a folder into DIR
   pagoda convert-default-model               prepare the embedded SmolLM2 folder
 """
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from inference.bench.latency import add_latency_args, run_latency
     from inference.bench.serve import add_bench_serve_args, run_bench_serve
     from inference.bench.throughput import add_throughput_args, run_throughput
+    from inference.download import add_download_args, run_download
     from inference.server.cli_serve import add_serve_args, run_serve
 
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__,
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.set_defaults(func=_chat)
+
+    add_download_args(
+        sub.add_parser("download", help="fetch model weights into a folder (resumable, verified)")
+    ).set_defaults(func=run_download)
 
     convert = sub.add_parser("convert-default-model", help="prepare the embedded model folder")
     convert.add_argument("--force", action="store_true")
