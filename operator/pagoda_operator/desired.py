@@ -14,6 +14,14 @@ from typing import Any
 
 from pagoda_operator import constants as c
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.model_cache import (
+    cache_claim_body,
+    cache_claim_name,
+    cache_folder,
+    download_uri,
+    loader_job_body,
+    loader_job_name,
+)
 from pagoda_operator.spec import model_source, with_defaults
 
 MODEL_VOLUME = "model"
@@ -57,14 +65,16 @@ def config_hash(obj: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def _finish(llmd: dict[str, Any], api_version: str, kind: str, body: dict[str, Any]) -> dict:
+def _finish(
+    llmd: dict[str, Any], api_version: str, kind: str, body: dict[str, Any], object_name: str = ""
+) -> dict:
     """Wraps a spec-level body into a complete object with metadata and its config hash."""
     name = llmd["metadata"]["name"]
     obj = {
         "apiVersion": api_version,
         "kind": kind,
         "metadata": {
-            "name": name,
+            "name": object_name or name,
             "namespace": llmd["metadata"]["namespace"],
             "labels": common_labels(name),
             "annotations": {},
@@ -77,12 +87,23 @@ def _finish(llmd: dict[str, Any], api_version: str, kind: str, body: dict[str, A
 
 
 def desired_objects(
-    llmd: dict[str, Any], *, service_monitor_api: bool, default_image: str = c.DEFAULT_ENGINE_IMAGE
+    llmd: dict[str, Any],
+    *,
+    service_monitor_api: bool,
+    default_image: str = c.DEFAULT_ENGINE_IMAGE,
+    model_cached: bool = True,
 ) -> list[dict[str, Any]]:
-    """Everything this LLMDeployment should own right now, in the order to apply it."""
+    """Everything this LLMDeployment should own right now, in the order to apply it.
+
+    ``model_cached``: whether the model cache (hf:// and s3:// sources) holds the weights;
+    until it does, the Deployment runs no replicas.
+    """
     spec = with_defaults(llmd.get("spec") or {})
-    objects = [
-        desired_deployment(llmd, spec, default_image),
+    objects = []
+    if download_uri(spec):
+        objects += desired_model_cache(llmd, spec, default_image)
+    objects += [
+        desired_deployment(llmd, spec, default_image, model_cached=model_cached),
         desired_service(llmd, spec),
     ]
     if effective_max_replicas(spec) > 1:
@@ -108,12 +129,33 @@ def effective_max_replicas(spec: dict[str, Any]) -> int:
     return autoscaling["maxReplicas"] if autoscaling["enabled"] else int(spec["replicas"])
 
 
-def desired_deployment(llmd: dict[str, Any], spec: dict[str, Any], default_image: str) -> dict:
+def desired_model_cache(
+    llmd: dict[str, Any], spec: dict[str, Any], default_image: str
+) -> list[dict[str, Any]]:
+    """The cache volume and the Job that fills it (see model_cache.py)."""
+    name = llmd["metadata"]["name"]
+    claim = cache_claim_body(spec, effective_max_replicas(spec))
+    job = loader_job_body(
+        name,
+        spec,
+        spec.get("image") or default_image,
+        pod_security_context(),
+        container_security_context(),
+    )
+    return [
+        _finish(llmd, "v1", "PersistentVolumeClaim", claim, cache_claim_name(name)),
+        _finish(llmd, "batch/v1", "Job", job, loader_job_name(name)),
+    ]
+
+
+def desired_deployment(
+    llmd: dict[str, Any], spec: dict[str, Any], default_image: str, *, model_cached: bool = True
+) -> dict:
     name = llmd["metadata"]["name"]
     startup_timeout = int(spec["startupTimeoutSeconds"])
     body = {
         "spec": {
-            "replicas": effective_replicas(spec),
+            "replicas": effective_replicas(spec) if model_cached else 0,
             "selector": {"matchLabels": selector_labels(name)},
             # Surge, not unavailability: a replica keeps serving until its successor is ready.
             "strategy": {
@@ -130,27 +172,21 @@ def desired_deployment(llmd: dict[str, Any], spec: dict[str, Any], default_image
                         "prometheus.io/path": c.METRICS_PATH,
                     },
                 },
-                "spec": pod_spec(spec, default_image),
+                "spec": pod_spec(name, spec, default_image),
             },
         }
     }
     return _finish(llmd, "apps/v1", "Deployment", body)
 
 
-def pod_spec(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
+def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
     pod: dict[str, Any] = {
         # The engine never talks to the Kubernetes API.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": c.ENGINE_USER_ID,
-            "runAsGroup": c.ENGINE_USER_ID,
-            "fsGroup": c.ENGINE_USER_ID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [engine_container(spec, default_image)],
-        "volumes": volumes(spec),
+        "volumes": volumes(name, spec),
     }
     for field in ("nodeSelector", "tolerations", "affinity", "runtimeClassName"):
         if spec.get(field):
@@ -158,6 +194,24 @@ def pod_spec(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
     if spec.get("imagePullSecrets"):
         pod["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
     return pod
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": c.ENGINE_USER_ID,
+        "runAsGroup": c.ENGINE_USER_ID,
+        "fsGroup": c.ENGINE_USER_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
@@ -170,11 +224,7 @@ def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]
         "env": engine_env(spec),
         "resources": container_resources(spec),
         "volumeMounts": volume_mounts(spec),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
         **probes(int(spec["startupTimeoutSeconds"])),
     }
     if spec.get("imagePullPolicy"):
@@ -244,7 +294,7 @@ def shm_size(spec: dict[str, Any]) -> str:
     return "1Gi" if spec["engine"]["tensorParallelSize"] == 1 else "16Gi"
 
 
-def volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = [
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}}
     ]
@@ -266,16 +316,21 @@ def volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "hostPath": {"path": source["path"], "type": source.get("type", "Directory")},
             }
         )
+    elif kind == "download":
+        claim = {"claimName": cache_claim_name(name), "readOnly": True}
+        result.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
     return result
 
 
 def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     kind, source = model_source(spec)
-    if kind in ("pvc", "hostPath"):
+    if kind in ("pvc", "hostPath", "download"):
         mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT_PATH, "readOnly": True}
         if kind == "pvc" and source.get("subPath"):
             mount["subPath"] = source["subPath"]
+        if kind == "download":
+            mount["subPath"] = cache_folder(spec)
         mounts.append(mount)
     return mounts
 

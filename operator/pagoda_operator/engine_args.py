@@ -16,7 +16,7 @@ API_KEY_ENV = "PAGODA_API_KEY"
 def model_argument(spec: dict[str, Any]) -> str:
     """The MODEL positional argument: the mounted weights, a path in the image, or the default."""
     kind, source = model_source(spec)
-    if kind in ("pvc", "hostPath"):
+    if kind in ("pvc", "hostPath", "download"):
         return MODEL_MOUNT_PATH
     return source.get("path") or EMBEDDED_MODEL
 

@@ -16,12 +16,7 @@ import kopf
 
 from pagoda_operator import constants as c
 from pagoda_operator.kube import KubeClient
-from pagoda_operator.reconcile import (
-    EmitEvent,
-    owner_of,
-    reconcile,
-    refresh_status_from_deployment,
-)
+from pagoda_operator.reconcile import EmitEvent, owner_of, reconcile
 from pagoda_operator.tuning import runner as tuning
 
 
@@ -61,6 +56,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 330
     # Only our own, fixed resources are watched: no need to read (or be allowed to read) CRDs.
     settings.scanning.disabled = True
+    # The API server sends only the operator's own objects, never every Deployment or Pod of
+    # the cluster (the handlers' label filters would only drop them after the transfer).
+    for group, version, plural in OWNED_WATCHES:
+        settings.watching.label_selectors[group, version, plural] = MANAGED_SELECTOR
     memo.client = KubeClient(lambda: connection_info(settings))
     memo.default_image = os.environ.get(c.ENGINE_IMAGE_ENV, c.DEFAULT_ENGINE_IMAGE)
     memo.service_monitors = os.environ.get(c.SERVICE_MONITORS_ENV, "true").lower() != "false"
@@ -95,17 +94,27 @@ def announce_deletion(body: kopf.Body, **_: Any) -> None:
     kopf.info(body, reason="Deleting", message="Owned objects go with their owner reference")
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: c.OPERATOR_NAME})
-async def deployment_changed(
-    body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.Logger, **_: Any
+MANAGED_SELECTOR = f"{c.LABEL_MANAGED_BY}={c.OPERATOR_NAME}"
+# (group, plural) of the owned objects whose changes bring their LLMDeployment back to its
+# spec: a rollout's progress, a loader Job finishing, an object edited or deleted by hand.
+# Loader pods are watched for what their Job cannot tell (a missing Secret, a bad image).
+OWNED_WATCHES = (
+    ("apps", "v1", "deployments"),
+    ("batch", "v1", "jobs"),
+    ("", "v1", "services"),
+    ("", "v1", "persistentvolumeclaims"),
+    ("", "v1", "pods"),
+)
+
+
+async def owned_object_changed(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    deployment = plain(body)
-    if type != "DELETED":
-        await refresh_status_from_deployment(memo.client, deployment, event_emitter)
+    obj = plain(body)
+    llmd = await owner_of(memo.client, obj, owned_directly=obj.get("kind") != "Pod")
+    if llmd is None:
         return
-    # Deleted by hand while its LLMDeployment lives on: put it back.
-    llmd = await owner_of(memo.client, deployment)
-    if llmd is not None:
+    try:
         await reconcile(
             memo.client,
             llmd,
@@ -114,6 +123,18 @@ async def deployment_changed(
             service_monitors=memo.service_monitors,
             logger=logger,
         )
+    except kopf.TemporaryError as error:
+        # Event handlers are not retried: the next event of this object or its owner is.
+        logger.info("Reconcile after a change of %s deferred: %s", obj.get("kind"), error)
+
+
+for _group, _version, _plural in OWNED_WATCHES:
+    kopf.on.event(
+        group=_group,
+        version=_version,
+        plural=_plural,
+        labels={c.LABEL_MANAGED_BY: c.OPERATOR_NAME},
+    )(owned_object_changed)
 
 
 @kopf.timer(

@@ -21,6 +21,9 @@ from pagoda_operator import constants as c
 PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "Pod"): "pods",
+    ("batch/v1", "Job"): "jobs",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
@@ -120,6 +123,20 @@ class KubeClient:
 
     async def get(self, path: str) -> dict[str, Any] | None:
         return await self.request("GET", path)
+
+    async def list(self, path: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        """Objects of a collection carrying every label in ``labels`` (selected by the server,
+        checked again here)."""
+        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        found = await self.request("GET", path, params={"labelSelector": selector})
+        return [
+            item
+            for item in (found or {}).get("items") or []
+            if all(
+                ((item.get("metadata") or {}).get("labels") or {}).get(key) == value
+                for key, value in labels.items()
+            )
+        ]
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as the operator's field manager; creates when absent."""

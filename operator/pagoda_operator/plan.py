@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagoda_operator import constants as c
+from pagoda_operator.model_cache import cache_claim_name, loader_job_name
 
 # Every kind an LLMDeployment may own; kinds missing from the desired set get deleted.
 OWNED_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "PersistentVolumeClaim"),
+    ("batch/v1", "Job"),
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
     ("policy/v1", "PodDisruptionBudget"),
@@ -16,7 +19,20 @@ OWNED_KINDS: tuple[tuple[str, str], ...] = (
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
 )
 
-Verb = Literal["create", "update", "delete", "conflict"]
+# Kinds named after their LLMDeployment with a suffix; the rest carry its name as it is.
+OWNED_NAMES = {"PersistentVolumeClaim": cache_claim_name, "Job": loader_job_name}
+# Kinds whose spec cannot change in place: an update deletes and creates them again.
+REPLACED_KINDS = ("Job",)
+
+Verb = Literal["create", "update", "replace", "delete", "conflict"]
+
+
+def owned_name(kind: str, name: str) -> str:
+    """The name of the object of ``kind`` that the LLMDeployment ``name`` owns."""
+    return OWNED_NAMES[kind](name) if kind in OWNED_NAMES else name
+
+
+PAST_TENSE = {"create": "Created", "update": "Updated", "replace": "Replaced", "delete": "Deleted"}
 
 
 @dataclass(frozen=True)
@@ -30,13 +46,11 @@ class Action:
 
     @property
     def event_reason(self) -> str:
-        return {"create": "Created", "update": "Updated", "delete": "Deleted"}.get(
-            self.verb, "NameConflict"
-        )
+        return PAST_TENSE.get(self.verb, "NameConflict")
 
     @property
     def event_message(self) -> str:
-        past = {"create": "Created", "update": "Updated", "delete": "Deleted"}.get(self.verb)
+        past = PAST_TENSE.get(self.verb)
         if past is None:
             return f"{self.kind} {self.name} exists and is not owned by this LLMDeployment"
         return f"{past} {self.kind} {self.name}" + (f": {self.detail}" if self.detail else "")
@@ -74,7 +88,8 @@ def plan_actions(
         elif not is_owned_by(current, owner_uid):
             conflicts.append(Action("conflict", *key, name, current))
         elif stored_hash(current) != stored_hash(obj):
-            actions.append(Action("update", *key, name, obj, describe_update(current, obj)))
+            verb: Verb = "replace" if obj["kind"] in REPLACED_KINDS else "update"
+            actions.append(Action(verb, *key, name, obj, describe_update(current, obj)))
     for key in OWNED_KINDS:
         current = existing.get(key)
         if key not in desired_kinds and current is not None and is_owned_by(current, owner_uid):

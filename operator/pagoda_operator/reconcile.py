@@ -15,10 +15,19 @@ import kopf
 
 from pagoda_operator import constants as c
 from pagoda_operator.desired import desired_objects
-from pagoda_operator.kube import KubeClient, KubeError, object_path
-from pagoda_operator.plan import OWNED_KINDS, Action, is_owned_by, plan_actions
+from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
+from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
+from pagoda_operator.plan import (
+    OWNED_KINDS,
+    Action,
+    is_owned_by,
+    owned_name,
+    plan_actions,
+    stored_hash,
+)
 from pagoda_operator.spec import validate_spec, with_defaults
 from pagoda_operator.status import (
+    model_cache_event,
     now_rfc3339,
     phase_event,
     spec_problem_status,
@@ -59,7 +68,7 @@ async def reconcile(
             client, llmd, spec_problem_status(llmd, "InvalidSpec", message, now_rfc3339()), emit
         )
     try:
-        deployment = await apply_owned_objects(
+        deployment, cache = await apply_owned_objects(
             client, llmd, emit, default_image, service_monitors=service_monitors
         )
     except KubeError as error:
@@ -73,7 +82,7 @@ async def reconcile(
     except NameConflictError as error:
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
-    status = workload_status(llmd, deployment, now_rfc3339(), keep_spec_problem=False)
+    status = workload_status(llmd, deployment, now_rfc3339(), keep_spec_problem=False, cache=cache)
     return await write_status(client, llmd, status, emit)
 
 
@@ -88,8 +97,9 @@ async def apply_owned_objects(
     default_image: str,
     *,
     service_monitors: bool,
-) -> dict[str, Any] | None:
-    """Creates, updates and deletes owned objects; returns the Deployment as it is now."""
+) -> tuple[dict[str, Any] | None, CacheState | None]:
+    """Creates, updates and deletes owned objects; returns the Deployment as it is now and
+    the model cache's state (None when the weights are not downloaded)."""
     namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
     service_monitor_api = service_monitors and await client.serves(
         "monitoring.coreos.com/v1", "servicemonitors"
@@ -103,9 +113,20 @@ async def apply_owned_objects(
             existing[(api_version, kind)] = None
             continue
         existing[(api_version, kind)] = await client.get(
-            object_path(api_version, kind, namespace, name)
+            object_path(api_version, kind, namespace, owned_name(kind, name))
+        )
+    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
+    if cache is not None and not cache.ready:
+        desired = desired_objects(
+            llmd,
+            service_monitor_api=service_monitor_api,
+            default_image=default_image,
+            model_cached=False,
         )
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
+    if cache is not None and not cache.ready:
+        # Whatever serves now keeps serving until the new weights are in the cache.
+        actions = [a for a in actions if not (a.kind == "Deployment" and a.verb == "update")]
     conflicts = [action for action in actions if action.verb == "conflict"]
     if conflicts:
         messages = "; ".join(action.event_message for action in conflicts)
@@ -117,14 +138,33 @@ async def apply_owned_objects(
         emit("Normal", action.event_reason, action.event_message)
         if action.kind == "Deployment":
             deployment = result
-    return deployment
+    return deployment, cache
+
+
+async def model_cache_state(
+    client: KubeClient, desired: list[dict[str, Any]], job: dict[str, Any] | None
+) -> CacheState | None:
+    """The cache's state from the loader Job and its pods; None without a download source."""
+    wanted = next((obj for obj in desired if obj["kind"] == "Job"), None)
+    if wanted is None:
+        return None
+    pods: list[dict[str, Any]] = []
+    if job is not None:
+        meta = job["metadata"]
+        pods = await client.list(
+            collection_path("v1", "Pod", meta["namespace"]), {LOADER_JOB_LABEL: meta["name"]}
+        )
+    return cache_state(job, pods, stored_hash(wanted))
 
 
 async def _carry_out(client: KubeClient, action: Action, namespace: str) -> dict[str, Any] | None:
+    path = object_path(action.api_version, action.kind, namespace, action.name)
     if action.verb == "delete":
-        await client.delete(object_path(action.api_version, action.kind, namespace, action.name))
+        await client.delete(path)
         return None
-    assert action.obj is not None  # create and update always carry the desired object
+    assert action.obj is not None  # create, update and replace carry the desired object
+    if action.verb == "replace":
+        await client.delete(path)  # a conflict on the create below retries the whole pass
     return await client.apply(action.obj)
 
 
@@ -135,32 +175,28 @@ async def write_status(
     previous = llmd.get("status") or {}
     if status_differs(previous, status):
         await client.patch_status(llmd_path(llmd), status)
-        event = phase_event(previous.get("phase"), status)
-        if event is not None:
-            emit(*event)
+        for event in (
+            model_cache_event(previous, status),
+            phase_event(previous.get("phase"), status),
+        ):
+            if event is not None:
+                emit(*event)
     return status
 
 
-async def owner_of(client: KubeClient, deployment: dict[str, Any]) -> dict[str, Any] | None:
-    """The live LLMDeployment that owns this Deployment, if there is one."""
-    meta = deployment.get("metadata") or {}
+async def owner_of(
+    client: KubeClient, obj: dict[str, Any], *, owned_directly: bool = True
+) -> dict[str, Any] | None:
+    """The live LLMDeployment named by the object's owner label, if there is one; with
+    ``owned_directly``, only when the object's controller reference points at it (a loader
+    pod belongs to the Job, not to the LLMDeployment)."""
+    meta = obj.get("metadata") or {}
     owner_name = (meta.get("labels") or {}).get(c.LABEL_OWNER)
     if not owner_name:
         return None
     llmd = await client.get(object_path(c.API_VERSION, c.KIND, meta["namespace"], owner_name))
     if llmd is None or (llmd.get("metadata") or {}).get("deletionTimestamp"):
         return None
-    if not is_owned_by(deployment, (llmd.get("metadata") or {}).get("uid", "")):
+    if owned_directly and not is_owned_by(obj, (llmd.get("metadata") or {}).get("uid", "")):
         return None
     return llmd
-
-
-async def refresh_status_from_deployment(
-    client: KubeClient, deployment: dict[str, Any], emit_for: Callable[[dict], EmitEvent]
-) -> dict[str, Any] | None:
-    """Re-derives an LLMDeployment's status after its Deployment changed."""
-    llmd = await owner_of(client, deployment)
-    if llmd is None:
-        return None
-    status = workload_status(llmd, deployment, now_rfc3339())
-    return await write_status(client, llmd, status, emit_for(llmd))

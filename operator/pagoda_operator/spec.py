@@ -81,12 +81,23 @@ def _merge_defaults(defaults: dict[str, Any], values: dict[str, Any]) -> dict[st
     return values
 
 
-def model_source(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Which of pvc / hostPath / image holds the weights, and its settings.
+SOURCE_KINDS = ("uri", "pvc", "hostPath", "image")
+URI_SCHEMES = ("hf", "s3", "pvc")
 
-    No source at all means the weights are in the image: the engine's embedded model.
+
+def model_source(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Where the weights are: ``download`` (hf:// or s3://, through the model cache), ``pvc``,
+    ``hostPath`` or ``image``, with that kind's settings. ``pvc://claim/path`` is the pvc
+    form written as a URI. No source at all means the engine's embedded model.
     """
     source = (spec.get("model") or {}).get("source") or {}
+    uri = source.get("uri")
+    if uri:
+        scheme, _, rest = str(uri).partition("://")
+        if scheme == "pvc":
+            claim, _, path = rest.strip("/").partition("/")
+            return "pvc", {"claimName": claim, "subPath": path, "readOnly": True}
+        return "download", source
     for kind in ("pvc", "hostPath", "image"):
         if source.get(kind) is not None:
             return kind, source[kind]
@@ -109,9 +120,12 @@ def _model_errors(model: dict[str, Any]) -> list[str]:
     if not model.get("name"):
         errors.append("spec.model.name: required")
     source = model.get("source") or {}
-    chosen = [kind for kind in ("pvc", "hostPath", "image") if source.get(kind) is not None]
+    chosen = [kind for kind in SOURCE_KINDS if source.get(kind) is not None]
     if len(chosen) > 1:
-        errors.append(f"spec.model.source: set only one of pvc, hostPath, image (got {chosen})")
+        errors.append(
+            f"spec.model.source: set only one of uri, pvc, hostPath, image (got {chosen})"
+        )
+    errors += _uri_errors(source)
     if source.get("pvc") is not None and not source["pvc"].get("claimName"):
         errors.append("spec.model.source.pvc.claimName: required")
     if source.get("hostPath") is not None:
@@ -119,6 +133,27 @@ def _model_errors(model: dict[str, Any]) -> list[str]:
         if not path.startswith("/"):
             errors.append(f"spec.model.source.hostPath.path: must be absolute (got {path!r})")
     return errors
+
+
+def _uri_errors(source: dict[str, Any]) -> list[str]:
+    uri = source.get("uri")
+    if uri is None:
+        if source.get("endpoint") or source.get("credentialsSecret"):
+            return [
+                "spec.model.source: endpoint and credentialsSecret go with an hf:// or s3:// uri"
+            ]
+        return []
+    scheme, separator, rest = str(uri).partition("://")
+    rest = rest.strip("/")
+    if not separator or scheme not in URI_SCHEMES:
+        return [f"spec.model.source.uri: must start with hf://, s3:// or pvc:// (got {uri!r})"]
+    if scheme == "hf" and rest.split("@", 1)[0].count("/") != 1:
+        return [f"spec.model.source.uri: expected hf://ORG/NAME[@REVISION] (got {uri!r})"]
+    if not rest:
+        return [f"spec.model.source.uri: names no {'claim' if scheme == 'pvc' else 'bucket'}"]
+    if scheme == "pvc" and (source.get("endpoint") or source.get("credentialsSecret")):
+        return ["spec.model.source: endpoint and credentialsSecret go with an hf:// or s3:// uri"]
+    return []
 
 
 def _engine_errors(engine: dict[str, Any]) -> list[str]:

@@ -9,12 +9,14 @@ import datetime
 from typing import Any
 
 from pagoda_operator.desired import effective_replicas, selector_string
+from pagoda_operator.model_cache import CacheState
 from pagoda_operator.spec import with_defaults
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED)
+MODEL_CACHED = "ModelCached"
+CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, MODEL_CACHED)
 
 # Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
 # the spec changes, whatever the Deployment reports meanwhile.
@@ -100,8 +102,10 @@ def workload_status(
     now: str,
     *,
     keep_spec_problem: bool = True,
+    cache: CacheState | None = None,
 ) -> dict[str, Any]:
-    """The status that the Deployment's own status implies for its LLMDeployment.
+    """The status that the Deployment's own status (and the model cache's, for downloaded
+    weights) implies for its LLMDeployment.
 
     ``keep_spec_problem=False`` is for right after a successful apply of the current spec,
     which settles any earlier InvalidSpec/ApplyFailed verdict.
@@ -112,6 +116,8 @@ def workload_status(
     desired = effective_replicas(spec)
     counts = _replica_counts(deployment)
     phase, current = _conditions_for(desired, counts, deployment)
+    if cache is not None:
+        phase, current = _with_model_cache(phase, current, cache, counts["ready"], desired)
 
     spec_problem = _standing_spec_problem(llmd) if keep_spec_problem else None
     if spec_problem is not None:
@@ -129,8 +135,28 @@ def workload_status(
         "modelName": (spec.get("model") or {}).get("servedModelName")
         or (spec.get("model") or {}).get("name"),
         "serviceName": meta["name"],
+        # None removes a record left from an earlier download source (merge patch).
+        "modelCache": cache.status(spec, meta["name"]) if cache is not None else None,
         "conditions": merge_conditions(previous.get("conditions") or [], current, now),
     }
+
+
+def _with_model_cache(
+    phase: str, current: list[dict[str, str]], cache: CacheState, ready: int, desired: int
+) -> tuple[str, list[dict[str, str]]]:
+    """Adds ModelCached; a failed loader degrades, a loading one holds a fresh deployment."""
+    by_type = {cond["type"]: cond for cond in current}
+    if cache.failed:
+        phase = DEGRADED
+        by_type[DEGRADED] = condition(
+            DEGRADED, True, cache.reason, f"Model loader: {cache.message}"
+        )
+    elif not cache.ready and ready == 0 and desired > 0:
+        phase = "Pending"
+        by_type[AVAILABLE] = condition(AVAILABLE, False, "ModelLoading", cache.message)
+        by_type[PROGRESSING] = condition(PROGRESSING, True, "ModelLoading", cache.message)
+    by_type[MODEL_CACHED] = condition(MODEL_CACHED, cache.ready, cache.reason, cache.message)
+    return phase, [by_type[kind] for kind in CONDITION_TYPES if kind in by_type]
 
 
 def _replica_counts(deployment: dict[str, Any] | None) -> dict[str, Any]:
@@ -239,3 +265,26 @@ def phase_event(old_phase: str | None, new_status: dict[str, Any]) -> tuple[str,
             message += f": {cond.get('message') or cond.get('reason')}"
     event_type = "Warning" if new_phase == DEGRADED else "Normal"
     return event_type, f"Phase{new_phase}", message
+
+
+def model_cache_event(
+    old_status: dict[str, Any], new_status: dict[str, Any]
+) -> tuple[str, str, str] | None:
+    """(event type, reason, message) when the ModelCached condition changed its verdict."""
+
+    def verdict(status: dict[str, Any]) -> tuple[str, str] | None:
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == MODEL_CACHED:
+                return cond.get("status", ""), cond.get("reason", "")
+        return None
+
+    new = verdict(new_status)
+    if new is None or new == verdict(old_status or {}):
+        return None
+    cond = next(c for c in new_status["conditions"] if c["type"] == MODEL_CACHED)
+    if new[0] == "True":
+        return "Normal", "ModelCached", cond.get("message", "")
+    failed = (new_status.get("modelCache") or {}).get("state") == "Failed"
+    if failed or new[1] in ("CreateContainerConfigError", "ErrImagePull", "ImagePullBackOff"):
+        return "Warning", f"ModelLoader{new[1]}", cond.get("message", "")
+    return "Normal", "ModelLoading", cond.get("message", "")

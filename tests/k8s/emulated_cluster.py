@@ -3,7 +3,8 @@
 kmock keeps objects in memory and serves list/watch/get/create/patch/delete. On top of it,
 ``ClusterEmulator`` adds what a real API server and controller manager would do and the
 operator relies on: uid, generation, resourceVersion and creationTimestamp on objects,
-names from generateName, and cascading deletion through owner references.
+names from generateName, and cascading deletion through owner references (also of objects
+created with an owner that is already gone, as the garbage collector does).
 """
 
 from __future__ import annotations
@@ -49,7 +50,33 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         response = await super()._handle(request)
         if deleted_uid is not None and response.status < 300:
             await self._collect_garbage(deleted_uid)
+        if request.action == enums.action.CREATE and response.status < 300:
+            await self._collect_orphan(request)
         return response
+
+    async def _collect_orphan(self, request: rendering.Request) -> None:
+        """Deletes a just-created object whose owners all no longer exist."""
+        refs = (request.data.get("metadata") or {}).get("ownerReferences") or []
+        if not refs:
+            return
+        async with self._lock:
+            live = {
+                (obj.raw.get("metadata") or {}).get("uid")
+                for obj in self._objects.values()
+                if not obj.deleted
+            }
+        if not any(ref.get("uid") in live for ref in refs):
+            await self._collect_garbage_of(request)
+
+    async def _collect_garbage_of(self, request: rendering.Request) -> None:
+        async with self._lock:
+            key = (request.resource, request.namespace, request.data["metadata"]["name"])
+            if key not in self._objects or self._objects[key].deleted:
+                return
+            obj = self._objects[key]
+            raw = obj.raw
+            obj.delete()
+            await self._buses[request.resource].put({"type": "DELETED", "object": raw})
 
     def _fill_server_fields(self, request: rendering.Request) -> None:
         meta = request.data.setdefault("metadata", {})

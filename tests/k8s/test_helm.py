@@ -74,11 +74,25 @@ def test_crd_is_kept_and_matches_the_plain_manifest(rendered: tuple[str, list]) 
 
 def test_rbac_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
     _, documents = rendered
-    (role,) = by_kind(documents, "ClusterRole")
-    plain = next(
-        doc for doc in load_documents(MANIFESTS / "rbac.yaml") if doc["kind"] == "ClusterRole"
-    )
-    assert role["rules"] == plain["rules"]
+    roles = {doc["metadata"]["name"]: doc for doc in by_kind(documents, "ClusterRole")}
+    plain = {
+        doc["metadata"]["name"].removeprefix("pagoda-operator"): doc
+        for doc in load_documents(MANIFESTS / "rbac.yaml")
+        if doc["kind"] == "ClusterRole"
+    }
+    rendered_roles = {
+        name.removeprefix("pagoda-pagoda-operator"): role for name, role in roles.items()
+    }
+    assert rendered_roles.keys() == {"", "-llmdeployments-view", "-llmdeployments-edit"}
+    plain = {
+        key.replace("pagoda-", "-", 1) if key.startswith("pagoda-") else key: doc
+        for key, doc in plain.items()
+    }
+    for suffix, role in rendered_roles.items():
+        assert role["rules"] == plain[suffix]["rules"], suffix
+    # Namespace users reach LLMDeployments through the built-in roles.
+    labels = rendered_roles["-llmdeployments-edit"]["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     (binding,) = by_kind(documents, "ClusterRoleBinding")
     (account,) = by_kind(documents, "ServiceAccount")
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]

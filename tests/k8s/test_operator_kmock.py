@@ -6,6 +6,7 @@ objects and Events it leaves there.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,127 @@ def test_service_monitor_once_its_crd_is_served(cluster: EmulatedCluster) -> Non
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
+def job_path(namespace: str, name: str) -> str:
+    return f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}-model-loader"
+
+
+def claim_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}-model-cache"
+
+
+def finish_loader(
+    cluster: EmulatedCluster, namespace: str, name: str, *, result: dict[str, Any], ok: bool
+) -> None:
+    """What the Job controller and kubelet do when the loader pod exits: a pod with the
+    downloader's termination message, and the Job's terminal condition."""
+    job = cluster.get(job_path(namespace, name))
+    assert job is not None
+    labels = {
+        **job["spec"]["template"]["metadata"]["labels"],
+        "batch.kubernetes.io/job-name": job["metadata"]["name"],
+    }
+    terminated = {"exitCode": 0 if ok else 3, "message": json.dumps(result)}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{name}-model-loader-x1", "namespace": namespace, "labels": labels},
+        "spec": job["spec"]["template"]["spec"],
+        "status": {
+            "phase": "Succeeded" if ok else "Failed",
+            "containerStatuses": [{"name": "loader", "state": {"terminated": terminated}}],
+        },
+    }
+    cluster.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    kind = "Complete" if ok else "Failed"
+    status = {
+        "conditions": [{"type": kind, "status": "True", "reason": "PodFailurePolicy"}],
+        **({"succeeded": 1} if ok else {"failed": 1}),
+    }
+    cluster.patch(job_path(namespace, name) + "/status", {"status": status})
+
+
+HF_SOURCE = {"uri": "hf://Qwen/Qwen2.5-7B-Instruct@main", "credentialsSecret": {"name": "hf"}}
+
+
+def test_downloaded_model_starts_replicas_once_cached(cluster: EmulatedCluster) -> None:
+    namespace, name = "cache", "qwen"
+    model = {"name": "Qwen/Qwen2.5-7B-Instruct", "source": HF_SOURCE}
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, model=model, replicas=2))
+
+    claim = wait_for(lambda: cluster.get(claim_path(namespace, name)), what="cache claim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    job = wait_for(lambda: cluster.get(job_path(namespace, name)), what="loader Job")
+    loader = job["spec"]["template"]["spec"]["containers"][0]
+    assert loader["args"][:2] == ["download", HF_SOURCE["uri"]]
+    assert loader["envFrom"] == [{"secretRef": {"name": "hf"}}]
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    assert deployment["spec"]["replicas"] == 0  # nothing to serve before the weights are there
+    status = wait_for(
+        lambda: (s := llmd_status(cluster, namespace, name)).get("modelCache") and s,
+        what="modelCache status",
+    )
+    assert status["phase"] == "Pending"
+    assert status["modelCache"]["state"] == "Loading"
+    assert condition(status, "ModelCached")["status"] == "False"
+
+    revision = "c" * 40
+    finish_loader(
+        cluster, namespace, name, ok=True,
+        result={"uri": HF_SOURCE["uri"], "revision": revision, "bytes": 123456, "files": 4},
+    )  # fmt: skip
+    wait_for(
+        lambda: (cluster.get(deployment_path(namespace, name)) or {})["spec"]["replicas"] == 2,
+        what="replicas start once the cache is ready",
+    )
+    status = wait_for(
+        lambda: (
+            (s := llmd_status(cluster, namespace, name))["modelCache"]["state"] == "Ready" and s
+        ),
+        what="modelCache Ready",
+    )
+    assert status["modelCache"]["revision"] == revision
+    assert status["modelCache"]["bytes"] == 123456
+    assert condition(status, "ModelCached")["status"] == "True"
+    wait_for(
+        lambda: any(
+            m.startswith("ModelCached: 123456 bytes") for m in event_messages(cluster, namespace)
+        ),
+        what="the ModelCached event",
+    )
+
+
+def test_wrong_token_becomes_a_condition_not_a_crash_loop(cluster: EmulatedCluster) -> None:
+    namespace, name = "badtoken", "qwen"
+    model = {"name": "Qwen/Qwen2.5-7B-Instruct", "source": HF_SOURCE}
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, model=model))
+    wait_for(lambda: cluster.get(job_path(namespace, name)), what="loader Job")
+    message = "hf://Qwen/Qwen2.5-7B-Instruct@main: the hub refused the credentials (HTTP 401)"
+    finish_loader(
+        cluster, namespace, name, ok=False, result={"error": "AuthFailed", "message": message}
+    )
+    status = wait_for(
+        lambda: (s := llmd_status(cluster, namespace, name)).get("phase") == "Degraded" and s,
+        what="phase Degraded",
+    )
+    assert condition(status, "Degraded")["reason"] == "AuthFailed"
+    assert message in condition(status, "Degraded")["message"]
+    assert status["modelCache"]["state"] == "Failed"
+    wait_for(
+        lambda: any(
+            e.get("type") == "Warning" and e.get("reason") == "ModelLoaderAuthFailed"
+            for e in events(cluster, namespace)
+        ),
+        what="a Warning event",
+    )
+    assert (cluster.get(deployment_path(namespace, name)) or {})["spec"]["replicas"] == 0
+    # The failed Job stays (no retry storm); deleting it, after fixing the Secret, retries.
+    cluster.delete(job_path(namespace, name))
+    wait_for(
+        lambda: (cluster.get(job_path(namespace, name)) or {}).get("status") is None,
+        what="a new loader Job",
+    )
+
+
 def operator_calls(cluster: EmulatedCluster, namespace: str | None = None) -> list[tuple]:
     return [
         call
@@ -355,6 +477,23 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     )
     wait_for(lambda: cluster.get(hpa_path) is None, what="HPA deleted")
     wait_for(lambda: cluster.get(pdb_path(namespace, name)) is None, what="PDB deleted")
+    # A download source: cache claim and loader Job; a new revision replaces the Job and
+    # grows the claim; another kind of source removes both.
+    model = {"name": "m", "source": {"uri": "s3://models/m"}}
+    cluster.patch(llmd_path(namespace, name), {"spec": {"model": model}})
+    job = wait_for(lambda: cluster.get(job_path(namespace, name)), what="loader Job")
+    model = {"name": "m", "source": {"uri": "s3://models/m2"}, "cache": {"size": "200Gi"}}
+    cluster.patch(llmd_path(namespace, name), {"spec": {"model": model}})
+    wait_for(
+        lambda: (
+            (cluster.get(job_path(namespace, name)) or job)["metadata"]["uid"]
+            != job["metadata"]["uid"]
+        ),
+        what="loader Job replaced",
+    )
+    cluster.patch(llmd_path(namespace, name), {"spec": {"model": {"source": None}}})
+    wait_for(lambda: cluster.get(job_path(namespace, name)) is None, what="Job deleted")
+    wait_for(lambda: cluster.get(claim_path(namespace, name)) is None, what="claim deleted")
 
 
 def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> None:

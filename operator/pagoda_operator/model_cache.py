@@ -1,0 +1,287 @@
+"""Model delivery for ``hf://`` and ``s3://`` sources: a cache volume filled once by a loader Job.
+
+Weights are downloaded once per LLMDeployment, not once per replica: the operator creates a
+PersistentVolumeClaim (``<name>-model-cache``; ReadWriteMany when replicas may run on several
+nodes) and a Job (``<name>-model-loader``) that runs ``pagoda download URI DIR`` from the
+engine image into a folder of that volume named after the source, so a new revision never
+mixes with the old one. Replicas mount the folder read-only once the Job has succeeded; until
+then the Deployment is created with no replicas (or, when a previous model is serving, left
+as it is). This is KServe's storage-initializer and the shared-PVC pattern of KubeAI and
+vLLM production-stack, with the download in a Job of its own so N replicas do not fetch N
+copies, and with the outcome in the LLMDeployment's status.
+
+Credentials come from a Secret named in ``spec.model.source.credentialsSecret`` and reach the
+Job's container as environment variables (``HF_TOKEN``; ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``): never through the spec.
+
+The Job's pod failure policy stops at once on the downloader's exit codes for a bad URI (2),
+refused credentials (3), a missing repository or bucket (4) and a failed verification (6),
+and retries network failures (5) up to its backoff limit: a wrong token is a ``ModelCached``
+condition with reason ``AuthFailed``, not a crash loop. The downloader writes its outcome as
+JSON to the termination message, where the status reads revision, size or failure from.
+
+Everything here is pure: spec in, objects or a cache state out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_operator import constants as c
+
+DOWNLOAD_SCHEMES = ("hf", "s3")
+CACHE_MOUNT_PATH = "/cache"
+CACHE_VOLUME = "model-cache"
+LOADER_CONTAINER = "loader"
+DEFAULT_CACHE_SIZE = "100Gi"
+DEFAULT_DOWNLOAD_TIMEOUT_SECONDS = 6 * 3600
+LOADER_BACKOFF_LIMIT = 4
+# `pagoda download` exit codes that no retry can fix (see inference/download/common.py).
+PERMANENT_EXIT_CODES = (2, 3, 4, 6)
+LOADER_JOB_LABEL = "batch.kubernetes.io/job-name"
+# Pod states that keep a loader from starting and that a user can fix (a missing Secret, a
+# wrong image): reported while the Job waits, since the Job itself cannot see them.
+BLOCKING_WAIT_REASONS = (
+    "CreateContainerConfigError",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+)
+
+
+def cache_claim_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def loader_job_name(name: str) -> str:
+    return f"{name}-model-loader"
+
+
+def download_uri(spec: dict[str, Any]) -> str | None:
+    """The hf:// or s3:// URI the weights are downloaded from, or None for other sources."""
+    uri = ((spec.get("model") or {}).get("source") or {}).get("uri") or ""
+    return uri if uri.split("://", 1)[0] in DOWNLOAD_SCHEMES else None
+
+
+def cache_folder(spec: dict[str, Any]) -> str:
+    """The folder of the cache volume that holds this source: readable, unique per source."""
+    source = (spec.get("model") or {}).get("source") or {}
+    uri = source["uri"]
+    identity = json.dumps([uri, source.get("endpoint")])
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", uri.split("://", 1)[1]).strip("_.")[:80]
+    return f"{readable}-{digest}"
+
+
+def cache_access_mode(spec: dict[str, Any], max_replicas: int) -> str:
+    """ReadWriteMany when replicas may land on several nodes, unless the spec says otherwise."""
+    cache = (spec.get("model") or {}).get("cache") or {}
+    if cache.get("accessMode"):
+        return str(cache["accessMode"])
+    return "ReadWriteMany" if max_replicas > 1 else "ReadWriteOnce"
+
+
+def cache_claim_body(spec: dict[str, Any], max_replicas: int) -> dict[str, Any]:
+    cache = (spec.get("model") or {}).get("cache") or {}
+    claim: dict[str, Any] = {
+        "accessModes": [cache_access_mode(spec, max_replicas)],
+        "resources": {"requests": {"storage": str(cache.get("size") or DEFAULT_CACHE_SIZE)}},
+    }
+    if cache.get("storageClassName"):
+        claim["storageClassName"] = cache["storageClassName"]
+    return {"spec": claim}
+
+
+def loader_job_body(
+    name: str,
+    spec: dict[str, Any],
+    image: str,
+    pod_security: dict[str, Any],
+    container_security: dict[str, Any],
+) -> dict[str, Any]:
+    source = spec["model"]["source"]
+    cache = spec["model"].get("cache") or {}
+    args = ["download", source["uri"], f"{CACHE_MOUNT_PATH}/{cache_folder(spec)}"]
+    args += ["--result-file", "/dev/termination-log"]
+    if source.get("endpoint"):
+        args += ["--endpoint-url", source["endpoint"]]
+    container: dict[str, Any] = {
+        "name": LOADER_CONTAINER,
+        "image": image,
+        "command": ["pagoda"],
+        "args": args,
+        "env": [
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+            {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        ],
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "limits": {"memory": "4Gi"},
+        },
+        "volumeMounts": [
+            {"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT_PATH},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # The downloader writes its JSON outcome here; a crash leaves the log's tail instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security,
+    }
+    if source.get("credentialsSecret"):
+        container["envFrom"] = [{"secretRef": {"name": source["credentialsSecret"]["name"]}}]
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security,
+        "containers": [container],
+        "volumes": [
+            {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache_claim_name(name)}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    for field in ("imagePullSecrets", "nodeSelector", "tolerations"):
+        if spec.get(field):
+            pod[field] = spec[field]
+    return {
+        "spec": {
+            "backoffLimit": LOADER_BACKOFF_LIMIT,
+            "activeDeadlineSeconds": int(
+                cache.get("downloadTimeoutSeconds") or DEFAULT_DOWNLOAD_TIMEOUT_SECONDS
+            ),
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": LOADER_CONTAINER,
+                            "operator": "In",
+                            "values": list(PERMANENT_EXIT_CODES),
+                        },
+                    },
+                    # A node drained or a pod preempted is not the loader's failure.
+                    {
+                        "action": "Ignore",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    },
+                ]
+            },
+            "template": {
+                "metadata": {
+                    "labels": {
+                        c.LABEL_OWNER: name,
+                        c.LABEL_COMPONENT: "model-loader",
+                        c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
+                    }
+                },
+                "spec": pod,
+            },
+        }
+    }
+
+
+# --- the cache's state, from the Job and its pods ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """Where the model cache stands. ``ready``: replicas may start; ``failed``: the loader
+    gave up and will not try again until the spec changes or its Job is deleted."""
+
+    ready: bool
+    failed: bool
+    reason: str
+    message: str
+    revision: str | None = None
+    num_bytes: int | None = None
+    num_files: int | None = None
+
+    def status(self, spec: dict[str, Any], name: str) -> dict[str, Any]:
+        """``status.modelCache``."""
+        result: dict[str, Any] = {
+            "uri": spec["model"]["source"]["uri"],
+            "claimName": cache_claim_name(name),
+            "path": cache_folder(spec),
+            "state": "Ready" if self.ready else ("Failed" if self.failed else "Loading"),
+        }
+        if self.revision is not None:
+            result["revision"] = self.revision
+        if self.num_bytes is not None:
+            result["bytes"] = self.num_bytes
+        if self.num_files is not None:
+            result["files"] = self.num_files
+        return result
+
+
+def cache_state(
+    job: dict[str, Any] | None, pods: list[dict[str, Any]], desired_hash: str | None
+) -> CacheState:
+    """The cache's state for the loader Job as it exists (None: not created yet) and its pods."""
+    if job is None or _stored_hash(job) != desired_hash:
+        return CacheState(False, False, "LoaderStarting", "Starting the model loader Job")
+    conditions = {
+        cond.get("type"): cond for cond in (job.get("status") or {}).get("conditions") or []
+    }
+    if _is_true(conditions.get("Complete")) or int((job.get("status") or {}).get("succeeded") or 0):
+        result = _termination_result(pods, succeeded=True) or {}
+        return CacheState(
+            True,
+            False,
+            "Cached",
+            f"{result.get('bytes', '?')} bytes at revision {result.get('revision') or '-'}",
+            revision=result.get("revision"),
+            num_bytes=result.get("bytes"),
+            num_files=result.get("files"),
+        )
+    if _is_true(conditions.get("Failed")):
+        result = _termination_result(pods, succeeded=False) or {}
+        failed = conditions["Failed"]
+        reason = str(result.get("error") or failed.get("reason") or "LoaderFailed")
+        message = str(result.get("message") or failed.get("message") or "the model loader failed")
+        return CacheState(False, True, reason, message)
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (status.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in BLOCKING_WAIT_REASONS:
+                return CacheState(
+                    False, False, waiting["reason"], waiting.get("message") or waiting["reason"]
+                )
+    failures = int((job.get("status") or {}).get("failed") or 0)
+    last = _termination_result(pods, succeeded=False) or {}
+    message = "Downloading the model"
+    if failures:
+        message += f" (attempt {failures + 1}; last: {last.get('message') or 'failed'})"
+    return CacheState(False, False, "Downloading", message)
+
+
+def _termination_result(pods: list[dict[str, Any]], *, succeeded: bool) -> dict[str, Any] | None:
+    """The JSON the downloader left in the newest matching pod's termination message."""
+    wanted = "Succeeded" if succeeded else "Failed"
+    candidates = [pod for pod in pods if (pod.get("status") or {}).get("phase") == wanted]
+    candidates.sort(key=lambda pod: (pod.get("metadata") or {}).get("creationTimestamp") or "")
+    for pod in reversed(candidates):
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = (status.get("state") or {}).get("terminated") or {}
+            text = terminated.get("message") or ""
+            try:
+                result = json.loads(text)
+            except ValueError:
+                if text:
+                    return {"error": "LoaderFailed", "message": text.strip()[-500:]}
+                continue
+            if isinstance(result, dict):
+                return result
+    return None
+
+
+def _is_true(cond: dict[str, Any] | None) -> bool:
+    return bool(cond) and cond.get("status") == "True"
+
+
+def _stored_hash(obj: dict[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_CONFIG_HASH)
