@@ -90,12 +90,29 @@ def plan_actions(
         elif stored_hash(current) != stored_hash(obj):
             verb: Verb = "replace" if obj["kind"] in REPLACED_KINDS else "update"
             actions.append(Action(verb, *key, name, obj, describe_update(current, obj)))
+        elif drift := drifted_paths(current, obj):
+            # Edited by hand (or by another controller) since the operator applied it.
+            verb = "replace" if obj["kind"] in REPLACED_KINDS else "update"
+            detail = "restored " + ", ".join(drift[:5])
+            actions.append(Action(verb, *key, name, obj, detail))
     for key in OWNED_KINDS:
         current = existing.get(key)
         if key not in desired_kinds and current is not None and is_owned_by(current, owner_uid):
             name = current["metadata"]["name"]
             actions.append(Action("delete", *key, name, current, "no longer needed"))
     return conflicts or actions
+
+
+def drifted_paths(existing: dict[str, Any], desired: dict[str, Any]) -> list[str]:
+    """Where the live object no longer says what the operator applied (its spec and labels;
+    fields the server or other controllers add do not count)."""
+    paths = changed_paths(existing.get("spec") or {}, desired.get("spec") or {}, "spec")
+    labels = (desired.get("metadata") or {}).get("labels") or {}
+    live_labels = (existing.get("metadata") or {}).get("labels") or {}
+    paths += [
+        f"metadata.labels.{key}" for key, value in labels.items() if live_labels.get(key) != value
+    ]
+    return paths
 
 
 def describe_update(existing: dict[str, Any], desired: dict[str, Any]) -> str:

@@ -279,6 +279,61 @@ def test_service_monitor_once_its_crd_is_served(cluster: EmulatedCluster) -> Non
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
+def test_watches_only_its_own_objects(cluster: EmulatedCluster) -> None:
+    """Owned kinds are watched with a server-side label selector, never cluster-wide."""
+
+    def watched() -> dict[str, str | None]:
+        return {
+            path: query.get("labelSelector")
+            for _, method, path, query in operator_calls(cluster)
+            if method == "GET" and query.get("watch") == "true" and "pagoda.dev" not in path
+        }
+
+    expected = {
+        "/apis/apps/v1/deployments",
+        "/apis/batch/v1/jobs",
+        "/api/v1/pods",
+        "/api/v1/services",
+        "/api/v1/persistentvolumeclaims",
+    }
+    wait_for(lambda: expected <= set(watched()), what="the owned kinds' watches")
+    assert set(watched().values()) == {"app.kubernetes.io/managed-by=pagoda-operator"}
+
+
+def test_hand_edits_and_deletions_are_undone(cluster: EmulatedCluster) -> None:
+    namespace, name = "drift", "qwen"
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name))
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    wait_for(lambda: cluster.get(service_path(namespace, name)), what="Service")
+
+    cluster.delete(service_path(namespace, name))
+    wait_for(lambda: cluster.get(service_path(namespace, name)), what="Service restored")
+
+    template = deployment["spec"]["template"]
+    container = {
+        **engine_container(deployment),
+        "args": ["serve", "default", "--max-num-seqs", "1"],
+    }
+    edited = {
+        "spec": {"template": {**template, "spec": {**template["spec"], "containers": [container]}}}
+    }
+    cluster.patch(deployment_path(namespace, name), edited)
+    wait_for(
+        lambda: (
+            flag_value(
+                engine_container(cluster.get(deployment_path(namespace, name)))["args"],
+                "--max-num-seqs",
+            )
+            == "256"
+        ),
+        what="the Deployment restored",
+    )
+    wait_for(
+        lambda: any("restored spec.template" in m for m in event_messages(cluster, namespace)),
+        what="an Updated event saying what was restored",
+    )
+
+
 def job_path(namespace: str, name: str) -> str:
     return f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}-model-loader"
 
