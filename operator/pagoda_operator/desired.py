@@ -106,8 +106,9 @@ def desired_objects(
         desired_deployment(llmd, spec, default_image, model_cached=model_cached),
         desired_service(llmd, spec),
     ]
-    if effective_max_replicas(spec) > 1:
-        objects.append(desired_pod_disruption_budget(llmd))
+    budget = disruption_budget(spec)
+    if budget is not None:
+        objects.append(desired_pod_disruption_budget(llmd, budget))
     if spec["autoscaling"]["enabled"]:
         objects.append(desired_autoscaler(llmd, spec))
     if service_monitor_api:
@@ -127,6 +128,23 @@ def effective_replicas(spec: dict[str, Any]) -> int:
 def effective_max_replicas(spec: dict[str, Any]) -> int:
     autoscaling = spec["autoscaling"]
     return autoscaling["maxReplicas"] if autoscaling["enabled"] else int(spec["replicas"])
+
+
+def rollout_strategy(spec: dict[str, Any]) -> dict[str, Any]:
+    """By default one replica at a time is stopped before its successor starts (maxSurge 0,
+    maxUnavailable 1): a surge needs GPUs that a full cluster does not have, and a surge pod
+    left Pending holds the rollout until its progress deadline."""
+    rollout = spec["rollout"]
+    if rollout["strategy"] == "Recreate":
+        return {"type": "Recreate"}
+    surge = int(rollout.get("maxSurge") or 0)
+    unavailable = rollout.get("maxUnavailable")
+    if unavailable is None:
+        unavailable = 0 if surge > 0 else 1
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": int(unavailable)},
+    }
 
 
 def desired_model_cache(
@@ -157,11 +175,7 @@ def desired_deployment(
         "spec": {
             "replicas": effective_replicas(spec) if model_cached else 0,
             "selector": {"matchLabels": selector_labels(name)},
-            # Surge, not unavailability: a replica keeps serving until its successor is ready.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": rollout_strategy(spec),
             "progressDeadlineSeconds": startup_timeout + 600,
             "template": {
                 "metadata": {
@@ -183,7 +197,7 @@ def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, A
     pod: dict[str, Any] = {
         # The engine never talks to the Kubernetes API.
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": int(spec["termination"]["terminationGracePeriodSeconds"]),
         "securityContext": pod_security_context(),
         "containers": [engine_container(spec, default_image)],
         "volumes": volumes(name, spec),
@@ -227,20 +241,27 @@ def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]
         "securityContext": container_security_context(),
         **probes(int(spec["startupTimeoutSeconds"])),
     }
+    pre_stop = int(spec["termination"]["preStopSeconds"])
+    if pre_stop:
+        # Endpoints drop a terminating pod asynchronously: keep serving meanwhile, so no
+        # request is sent to a closed port. SIGTERM (and the drain) come after the sleep.
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": pre_stop}}}
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     return container
 
 
 def probes(startup_timeout_seconds: int) -> dict[str, Any]:
-    """Startup allows a whole model load; after that, liveness only catches a wedged process."""
+    """Startup allows a whole model load and fails until the model is loaded and warmed up
+    (``/ready``; ``/health`` answers while loading), so a hung load is restarted once
+    ``startupTimeoutSeconds`` is spent. After that, liveness only catches a wedged process."""
 
     def http_get(path: str) -> dict[str, Any]:
         return {"path": path, "port": c.ENGINE_PORT_NAME}
 
     return {
         "startupProbe": {
-            "httpGet": http_get(c.HEALTH_PATH),
+            "httpGet": http_get(c.READY_PATH),
             "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
             "timeoutSeconds": 5,
             "failureThreshold": math.ceil(startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS),
@@ -354,9 +375,21 @@ def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
     return _finish(llmd, "v1", "Service", body)
 
 
-def desired_pod_disruption_budget(llmd: dict[str, Any]) -> dict[str, Any]:
+def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:
+    """``spec.disruptionBudget`` as given; otherwise maxUnavailable 1 when more than one
+    replica may run (drains take one at a time), and none for a single replica: a budget
+    that forbids evicting the only replica would block every node drain until someone
+    scales up, so that is left to the user to ask for (minAvailable: 1)."""
+    budget = spec.get("disruptionBudget") or {}
+    for key in ("minAvailable", "maxUnavailable"):
+        if budget.get(key) is not None:
+            return {key: int(budget[key])}
+    return {"maxUnavailable": 1} if effective_max_replicas(spec) > 1 else None
+
+
+def desired_pod_disruption_budget(llmd: dict[str, Any], budget: dict[str, int]) -> dict[str, Any]:
     name = llmd["metadata"]["name"]
-    body = {"spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+    body = {"spec": {**budget, "selector": {"matchLabels": selector_labels(name)}}}
     return _finish(llmd, "policy/v1", "PodDisruptionBudget", body)
 
 

@@ -66,6 +66,8 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
             args += [flag, str(engine[field])]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).
+    args += ["--shutdown-grace-seconds", str(spec["termination"]["drainSeconds"])]
     # An apiKeySecretRef reaches the engine as the PAGODA_API_KEY environment variable
     # (desired.engine_env), never as an argument: kubelet would expand "$(VAR)" into argv,
     # readable by anyone who can list the node's processes.

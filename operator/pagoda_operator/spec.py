@@ -40,6 +40,7 @@ MANAGED_FLAGS = (
     "--no-enable-prefix-caching",
     "--max-queue-len",
     "--api-key",
+    "--shutdown-grace-seconds",
 )
 
 # Mirrors the `default:` values of the CRD schema (a unit test keeps the two equal).
@@ -64,6 +65,12 @@ SPEC_DEFAULTS: dict[str, Any] = {
     },
     "tuning": {"mode": "Off", "cooldownSeconds": 600},
     "service": {"type": "ClusterIP"},
+    "rollout": {"strategy": "RollingUpdate"},
+    "termination": {
+        "preStopSeconds": 10,
+        "drainSeconds": 120,
+        "terminationGracePeriodSeconds": 150,
+    },
 }
 
 
@@ -112,6 +119,33 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     errors += _replica_errors(spec)
     errors += _tuning_errors(spec)
     errors += _resource_errors(spec)
+    errors += _rollout_errors(spec)
+    return errors
+
+
+def _rollout_errors(spec: dict[str, Any]) -> list[str]:
+    errors = []
+    rollout = spec.get("rollout") or {}
+    if rollout.get("strategy") not in ("RollingUpdate", "Recreate"):
+        errors.append("spec.rollout.strategy: must be RollingUpdate or Recreate")
+    surge, unavailable = rollout.get("maxSurge"), rollout.get("maxUnavailable")
+    if rollout.get("strategy") == "Recreate" and (surge is not None or unavailable is not None):
+        errors.append(
+            "spec.rollout: maxSurge and maxUnavailable go with the RollingUpdate strategy"
+        )
+    if surge == 0 and unavailable == 0:
+        errors.append("spec.rollout: maxSurge and maxUnavailable cannot both be 0")
+    termination = spec.get("termination") or {}
+    pre_stop, drain = termination.get("preStopSeconds"), termination.get("drainSeconds")
+    grace = termination.get("terminationGracePeriodSeconds")
+    if all(_is_int(value) for value in (pre_stop, drain, grace)) and grace < pre_stop + drain:
+        errors.append(
+            "spec.termination: terminationGracePeriodSeconds must be >= preStopSeconds + "
+            f"drainSeconds ({grace} < {pre_stop} + {drain}); the pod would be killed mid-drain"
+        )
+    budget = spec.get("disruptionBudget") or {}
+    if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:
+        errors.append("spec.disruptionBudget: set minAvailable or maxUnavailable, not both")
     return errors
 
 

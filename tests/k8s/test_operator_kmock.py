@@ -86,7 +86,7 @@ def test_apply_creates_deployment_and_service(cluster: EmulatedCluster) -> None:
     assert flag_value(args, "--port") == "8000"
     assert container["image"] == "registry.test/pagoda-engine:test"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     startup = container["startupProbe"]

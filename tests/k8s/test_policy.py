@@ -174,6 +174,7 @@ def test_serve_args_carry_every_engine_field() -> None:
         "--max-model-len": "8192",
         "--max-queue-len": "100",
         "--no-enable-prefix-caching": "",
+        "--shutdown-grace-seconds": "120",
         "--seed": "7",
     }
 
