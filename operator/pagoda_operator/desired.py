@@ -66,7 +66,12 @@ def config_hash(obj: dict[str, Any]) -> str:
 
 
 def _finish(
-    llmd: dict[str, Any], api_version: str, kind: str, body: dict[str, Any], object_name: str = ""
+    llmd: dict[str, Any],
+    api_version: str,
+    kind: str,
+    body: dict[str, Any],
+    object_name: str = "",
+    annotations: dict[str, str] | None = None,
 ) -> dict:
     """Wraps a spec-level body into a complete object with metadata and its config hash."""
     name = llmd["metadata"]["name"]
@@ -77,7 +82,7 @@ def _finish(
             "name": object_name or name,
             "namespace": llmd["metadata"]["namespace"],
             "labels": common_labels(name),
-            "annotations": {},
+            "annotations": dict(annotations or {}),
             "ownerReferences": [owner_reference(llmd)],
         },
         **body,
@@ -179,8 +184,9 @@ def desired_deployment(
             "progressDeadlineSeconds": startup_timeout + 600,
             "template": {
                 "metadata": {
-                    "labels": common_labels(name),
+                    "labels": {**(spec.get("podLabels") or {}), **common_labels(name)},
                     "annotations": {
+                        **(spec.get("podAnnotations") or {}),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(c.ENGINE_PORT),
                         "prometheus.io/path": c.METRICS_PATH,
@@ -202,9 +208,17 @@ def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, A
         "containers": [engine_container(spec, default_image)],
         "volumes": volumes(name, spec),
     }
-    for field in ("nodeSelector", "tolerations", "affinity", "runtimeClassName"):
+    for field in (
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "runtimeClassName",
+        "topologySpreadConstraints",
+        "priorityClassName",
+    ):
         if spec.get(field):
             pod[field] = copy.deepcopy(spec[field])
+    pod["volumes"] += copy.deepcopy(spec.get("volumes") or [])
     if spec.get("imagePullSecrets"):
         pod["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
     return pod
@@ -237,7 +251,7 @@ def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]
         "ports": [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}],
         "env": engine_env(spec),
         "resources": container_resources(spec),
-        "volumeMounts": volume_mounts(spec),
+        "volumeMounts": volume_mounts(spec) + copy.deepcopy(spec.get("volumeMounts") or []),
         "securityContext": container_security_context(),
         **probes(int(spec["startupTimeoutSeconds"])),
     }
@@ -347,7 +361,10 @@ def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     kind, source = model_source(spec)
     if kind in ("pvc", "hostPath", "download"):
-        mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT_PATH, "readOnly": True}
+        # Read-only unless a pvc source asks otherwise (e.g. an engine that writes a
+        # compilation cache next to the weights).
+        read_only = bool(source.get("readOnly", True)) if kind == "pvc" else True
+        mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT_PATH, "readOnly": read_only}
         if kind == "pvc" and source.get("subPath"):
             mount["subPath"] = source["subPath"]
         if kind == "download":
@@ -372,7 +389,7 @@ def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
             ],
         }
     }
-    return _finish(llmd, "v1", "Service", body)
+    return _finish(llmd, "v1", "Service", body, annotations=spec["service"].get("annotations"))
 
 
 def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:

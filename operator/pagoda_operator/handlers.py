@@ -6,6 +6,7 @@ Run with ``kopf run --standalone --all-namespaces -m pagoda_operator.handlers`` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -63,10 +64,19 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.client = KubeClient(lambda: connection_info(settings))
     memo.default_image = os.environ.get(c.ENGINE_IMAGE_ENV, c.DEFAULT_ENGINE_IMAGE)
     memo.service_monitors = os.environ.get(c.SERVICE_MONITORS_ENV, "true").lower() != "false"
+    # The tuner is not a kopf timer: kopf puts a finalizer on every object a timer runs for,
+    # and with the CRD kept on uninstall, deleting a tuned LLMDeployment would then hang for
+    # good once the operator is gone. A loop of our own needs no finalizer.
+    memo.tuner_running = {}
+    memo.tuner = asyncio.create_task(tuner_loop(memo))
 
 
 @kopf.on.cleanup()
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
+    tasks = [memo.tuner, *memo.tuner_running.values()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     await memo.client.close()
 
 
@@ -137,30 +147,58 @@ for _group, _version, _plural in OWNED_WATCHES:
     )(owned_object_changed)
 
 
-@kopf.timer(
-    c.GROUP,
-    c.VERSION,
-    c.PLURAL,
-    id="tuner",
-    interval=tuning.interval_seconds(),
-    initial_delay=tuning.interval_seconds(),
-    when=tuning.tuning_enabled,
-)
-async def tune_llmdeployment(
-    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
-) -> None:
-    # Errors must not reach kopf: it would keep them in the object and retry at its own
-    # pace. The next window simply tries again.
+TUNER_LOGGER = logging.getLogger("pagoda_operator.tuner")
+
+
+class ObjectLogger(logging.LoggerAdapter):
+    """Prefixes messages with the object, as kopf's per-object loggers do."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{(self.extra or {}).get('object')}] {msg}", kwargs
+
+
+async def tuner_loop(memo: kopf.Memo) -> None:
+    """Every interval, one tuner window for each LLMDeployment with tuning on (a window still
+    running from the last round is left to finish, not started twice)."""
+    interval = tuning.interval_seconds()
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            listed = await memo.client.get(f"/apis/{c.API_VERSION}/{c.PLURAL}")
+        except Exception:
+            TUNER_LOGGER.exception("Listing LLMDeployments failed; trying again next round")
+            continue
+        for llmd in (listed or {}).get("items") or []:
+            meta = llmd.get("metadata") or {}
+            key = meta.get("uid")
+            if meta.get("deletionTimestamp") or not tuning.tuning_enabled(llmd.get("spec")):
+                continue
+            running = memo.tuner_running.get(key)
+            if running is not None and not running.done():
+                continue
+            llmd.setdefault("apiVersion", c.API_VERSION)
+            llmd.setdefault("kind", c.KIND)
+            memo.tuner_running[key] = asyncio.create_task(tune_llmdeployment(llmd, memo))
+
+
+async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
+    meta = llmd["metadata"]
+    logger = ObjectLogger(TUNER_LOGGER, {"object": f"{meta.get('namespace')}/{meta.get('name')}"})
+    # Errors end the window, never the loop: the next window simply tries again.
     try:
         await tuning.tune(
             memo.client,
-            plain(body),
-            emit=event_emitter(body),
+            llmd,
+            emit=event_emitter(llmd),
             logger=logger,
             window_s=tuning.window_seconds(),
         )
     except Exception:
-        logger.exception("Tuner window failed; holding until the next one")
+        TUNER_LOGGER.exception(
+            "[%s/%s] Tuner window failed; holding until the next one",
+            meta.get("namespace"),
+            meta.get("name"),
+        )
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -68,7 +69,7 @@ async def reconcile(
             client, llmd, spec_problem_status(llmd, "InvalidSpec", message, now_rfc3339()), emit
         )
     try:
-        deployment, cache = await apply_owned_objects(
+        applied = await apply_owned_objects(
             client, llmd, emit, default_image, service_monitors=service_monitors
         )
     except KubeError as error:
@@ -82,8 +83,23 @@ async def reconcile(
     except NameConflictError as error:
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
-    status = workload_status(llmd, deployment, now_rfc3339(), keep_spec_problem=False, cache=cache)
+    previous_generation = (llmd.get("status") or {}).get("observedGeneration")
+    status = workload_status(
+        llmd,
+        applied.deployment,
+        now_rfc3339(),
+        keep_spec_problem=False,
+        cache=applied.cache,
+        applied_generation=previous_generation if applied.deployment_held else None,
+    )
     return await write_status(client, llmd, status, emit)
+
+
+@dataclass(frozen=True)
+class Applied:
+    deployment: dict[str, Any] | None
+    cache: CacheState | None  # None when the weights are not downloaded
+    deployment_held: bool  # the Deployment still runs an earlier generation's spec
 
 
 class NameConflictError(Exception):
@@ -97,9 +113,9 @@ async def apply_owned_objects(
     default_image: str,
     *,
     service_monitors: bool,
-) -> tuple[dict[str, Any] | None, CacheState | None]:
-    """Creates, updates and deletes owned objects; returns the Deployment as it is now and
-    the model cache's state (None when the weights are not downloaded)."""
+) -> Applied:
+    """Creates, updates and deletes owned objects; returns the Deployment as it is now, the
+    model cache's state, and whether the Deployment's update waits for the cache."""
     namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
     service_monitor_api = service_monitors and await client.serves(
         "monitoring.coreos.com/v1", "servicemonitors"
@@ -124,8 +140,10 @@ async def apply_owned_objects(
             model_cached=False,
         )
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
+    held = False
     if cache is not None and not cache.ready:
         # Whatever serves now keeps serving until the new weights are in the cache.
+        held = any(a.kind == "Deployment" and a.verb == "update" for a in actions)
         actions = [a for a in actions if not (a.kind == "Deployment" and a.verb == "update")]
     conflicts = [action for action in actions if action.verb == "conflict"]
     if conflicts:
@@ -138,7 +156,7 @@ async def apply_owned_objects(
         emit("Normal", action.event_reason, action.event_message)
         if action.kind == "Deployment":
             deployment = result
-    return deployment, cache
+    return Applied(deployment, cache, held)
 
 
 async def model_cache_state(

@@ -143,6 +143,9 @@ def _rollout_errors(spec: dict[str, Any]) -> list[str]:
             "spec.termination: terminationGracePeriodSeconds must be >= preStopSeconds + "
             f"drainSeconds ({grace} < {pre_stop} + {drain}); the pod would be killed mid-drain"
         )
+    for volume in spec.get("volumes") or []:
+        if (volume or {}).get("name") in ("model", "dshm"):
+            errors.append(f"spec.volumes: the name {volume['name']} is the operator's")
     budget = spec.get("disruptionBudget") or {}
     if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:
         errors.append("spec.disruptionBudget: set minAvailable or maxUnavailable, not both")

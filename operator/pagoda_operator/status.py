@@ -88,6 +88,17 @@ def spec_problem_status(
         kept.append(condition(PROGRESSING, False, reason, "Waiting for a valid spec"))
     current = kept + [condition(DEGRADED, True, reason, message)]
     current.sort(key=lambda cond: CONDITION_TYPES.index(cond["type"]))
+    # The verdict is about this generation; what served before keeps the generation it saw.
+    generation = (llmd.get("metadata") or {}).get("generation")
+    current = [
+        {
+            **cond,
+            "observedGeneration": generation
+            if cond["type"] == DEGRADED
+            else cond.get("observedGeneration", generation),
+        }
+        for cond in current
+    ]
     current += foreign_conditions(previous_conditions)
     return {
         "phase": DEGRADED,
@@ -103,12 +114,16 @@ def workload_status(
     *,
     keep_spec_problem: bool = True,
     cache: CacheState | None = None,
+    applied_generation: int | None = None,
 ) -> dict[str, Any]:
     """The status that the Deployment's own status (and the model cache's, for downloaded
     weights) implies for its LLMDeployment.
 
     ``keep_spec_problem=False`` is for right after a successful apply of the current spec,
-    which settles any earlier InvalidSpec/ApplyFailed verdict.
+    which settles any earlier InvalidSpec/ApplyFailed verdict. ``applied_generation``: the
+    generation whose spec the Deployment runs, when that is not the current one (an update
+    held back until the model cache is ready); it is what ``observedGeneration`` and the
+    workload conditions report, so no generation is stamped before it was applied.
     """
     spec = with_defaults(llmd.get("spec") or {})
     meta = llmd.get("metadata") or {}
@@ -118,6 +133,12 @@ def workload_status(
     phase, current = _conditions_for(desired, counts, deployment)
     if cache is not None:
         phase, current = _with_model_cache(phase, current, cache, counts["ready"], desired)
+    generation = meta.get("generation")
+    applied = generation if applied_generation is None else applied_generation
+    current = [
+        {**cond, "observedGeneration": generation if cond["type"] == MODEL_CACHED else applied}
+        for cond in current
+    ]
 
     spec_problem = _standing_spec_problem(llmd) if keep_spec_problem else None
     if spec_problem is not None:
@@ -130,7 +151,7 @@ def workload_status(
         "replicas": counts["replicas"],
         "readyReplicas": counts["ready"],
         "updatedReplicas": counts["updated"],
-        "observedGeneration": meta.get("generation"),
+        "observedGeneration": applied,
         "selector": selector_string(meta["name"]),
         "modelName": (spec.get("model") or {}).get("servedModelName")
         or (spec.get("model") or {}).get("name"),

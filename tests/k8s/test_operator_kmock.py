@@ -265,6 +265,23 @@ def test_delete_removes_what_it_owned(cluster: EmulatedCluster) -> None:
     assert cluster.get(llmd_path(namespace, name)) is None
 
 
+def test_tuned_object_gets_no_finalizer_and_deletes_at_once(cluster: EmulatedCluster) -> None:
+    """Deleting a tuned LLMDeployment never waits for the operator (which may be uninstalled
+    while the CRD, kept, still holds the object)."""
+    namespace, name = "tuned", "qwen"
+    tuning = {"mode": "Recommend"}
+    prometheus = {"url": "http://127.0.0.1:9"}
+    cluster.create(
+        llmd_path(namespace), make_llmd(namespace, name, tuning=tuning, prometheus=prometheus)
+    )
+    wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    wait_for(lambda: llmd_status(cluster, namespace, name).get("phase"), what="a status")
+    time.sleep(1.0)  # kopf adds a timer's finalizer when it first handles the object
+    assert not (cluster.get(llmd_path(namespace, name)) or {})["metadata"].get("finalizers")
+    cluster.delete(llmd_path(namespace, name))
+    assert cluster.get(llmd_path(namespace, name)) is None
+
+
 def test_service_monitor_once_its_crd_is_served(cluster: EmulatedCluster) -> None:
     cluster.serve_resource("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor")
     namespace, name = "monitored", "qwen"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes_validate
 import pytest
 from pagoda_operator import constants as c
 from pagoda_operator.desired import desired_objects
@@ -12,6 +13,7 @@ from pagoda_operator.plan import parse_flags
 from pagoda_operator.spec import validate_spec, with_defaults
 
 from .crd_schema import validation_errors
+from .test_manifests import KUBERNETES_VERSIONS
 
 
 def llmd(**spec: Any) -> dict[str, Any]:
@@ -100,3 +102,79 @@ def test_disruption_budget_choices() -> None:
     # Asked for availability: a drain waits until another replica is ready.
     pdb = objects(replicas=1, disruptionBudget={"minAvailable": 1})["PodDisruptionBudget"]
     assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
+
+
+def test_pvc_read_only_false_is_honoured() -> None:
+    model = {"name": "m", "source": {"pvc": {"claimName": "w", "readOnly": False}}}
+    pod = deployment_spec(model=model)["template"]["spec"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert mount["readOnly"] is False
+    assert volume["persistentVolumeClaim"]["readOnly"] is False
+
+
+def test_pod_template_fields(crd: dict[str, Any]) -> None:
+    spread = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"pagoda.dev/llmdeployment": "qwen"}},
+        }
+    ]
+    spec = {
+        "topologySpreadConstraints": spread,
+        "priorityClassName": "inference-high",
+        "podLabels": {"team": "ml", "app.kubernetes.io/name": "mine"},
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+        "service": {
+            "annotations": {"service.beta.kubernetes.io/aws-load-balancer-internal": "true"}
+        },
+        "volumes": [{"name": "lora", "configMap": {"name": "adapters"}}],
+        "volumeMounts": [{"name": "lora", "mountPath": "/adapters", "readOnly": True}],
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+    }
+    assert validation_errors(crd, llmd(**spec)) == []
+    owned = objects(**spec)
+    template = owned["Deployment"]["spec"]["template"]
+    pod = template["spec"]
+    assert pod["topologySpreadConstraints"] == spread
+    assert pod["priorityClassName"] == "inference-high"
+    assert template["metadata"]["labels"]["team"] == "ml"
+    # The selector's labels are the operator's: a pod label cannot take the pod out of it.
+    assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "pagoda-engine"
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert {"name": "lora", "configMap": {"name": "adapters"}} in pod["volumes"]
+    container = pod["containers"][0]
+    assert {"name": "lora", "mountPath": "/adapters", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    annotations = owned["Service"]["metadata"]["annotations"]
+    assert annotations["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
+    for version in KUBERNETES_VERSIONS:
+        for obj in owned.values():
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_operator_volume_names_are_reserved(crd: dict[str, Any]) -> None:
+    obj = llmd(volumes=[{"name": "model", "emptyDir": {}}])
+    assert any("operator's" in e for e in validation_errors(crd, obj))
+    assert any("operator's" in e for e in validate_spec(with_defaults(obj["spec"])))
+
+
+def test_each_condition_says_which_generation_it_observed() -> None:
+    from pagoda_operator.status import spec_problem_status, workload_status
+
+    obj = llmd()
+    obj["metadata"]["generation"] = 7
+    status = workload_status(obj, None, "2025-01-01T00:00:00Z")
+    assert {cond["observedGeneration"] for cond in status["conditions"]} == {7}
+    # An update held back (the new weights are still loading) is not reported as observed.
+    held = workload_status(obj, None, "2025-01-01T00:00:00Z", applied_generation=6)
+    assert held["observedGeneration"] == 6
+    assert {cond["observedGeneration"] for cond in held["conditions"]} == {6}
+    # A spec verdict is about the new generation; what served keeps the generation it saw.
+    obj["status"] = held
+    obj["metadata"]["generation"] = 8
+    problem = spec_problem_status(obj, "InvalidSpec", "bad", "2025-01-01T00:01:00Z")
+    by_type = {cond["type"]: cond["observedGeneration"] for cond in problem["conditions"]}
+    assert by_type == {"Available": 6, "Progressing": 6, "Degraded": 8}
