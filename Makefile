@@ -10,7 +10,15 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: run test venv tools lint clean
+# Images: `make images` builds the three images as $(REGISTRY)/pagoda-{engine,engine-cpu,
+# operator}:$(TAG); `make push` pushes them. The defaults are the names the Helm chart and the
+# operator use when nothing else is set (chart appVersion = TAG).
+REGISTRY ?= ghcr.io/pagoda-dev
+TAG ?= 0.1.0
+DOCKER ?= docker
+IMAGE_TARGETS := engine engine-cpu operator
+
+.PHONY: run test venv tools lint clean images push
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +42,16 @@ run: venv
 test: venv tools
 	$(VENV)/bin/ruff check inference kernels operator tests e2e scripts
 	$(PY) -m pytest -q tests
+
+images:
+	for target in $(IMAGE_TARGETS); do \
+		$(DOCKER) build --target $$target -t $(REGISTRY)/pagoda-$$target:$(TAG) . || exit 1; \
+	done
+
+push: images
+	for target in $(IMAGE_TARGETS); do \
+		$(DOCKER) push $(REGISTRY)/pagoda-$$target:$(TAG) || exit 1; \
+	done
 
 lint: venv
 	$(VENV)/bin/ruff check inference kernels operator tests e2e
