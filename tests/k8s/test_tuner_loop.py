@@ -1,0 +1,68 @@
+"""The operator's tuner loop (in place of a kopf timer, which would put a finalizer on every
+tuned object): one window per tuned LLMDeployment per interval, never two at once."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pagoda_operator import handlers
+from pagoda_operator.tuning import runner
+
+
+def llmd(name: str, mode: str, **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", **meta},
+        "spec": {"model": {"name": "m"}, "tuning": {"mode": mode}},
+    }
+
+
+class FakeClient:
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    async def get(self, path: str) -> dict[str, Any]:
+        assert path == "/apis/pagoda.dev/v1alpha1/llmdeployments"
+        return {"items": self.items}
+
+
+def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    slow_release = asyncio.Event()
+
+    async def fake_tune(client: Any, obj: dict[str, Any], **_: Any) -> None:
+        calls.append(obj["metadata"]["name"])
+        assert obj["kind"] == "LLMDeployment"
+        if obj["metadata"]["name"] == "slow":
+            await slow_release.wait()
+        if obj["metadata"]["name"] == "broken":
+            raise RuntimeError("prometheus exploded")
+
+    monkeypatch.setattr(runner, "interval_seconds", lambda: 0.01)
+    monkeypatch.setattr(runner, "tune", fake_tune)
+    monkeypatch.setattr(handlers, "event_emitter", lambda body: lambda *args: None)
+    items = [
+        llmd("tuned", "Auto"),
+        llmd("slow", "Recommend"),
+        llmd("broken", "Auto"),
+        llmd("off", "Off"),
+        llmd("going", "Auto", deletionTimestamp="2025-01-01T00:00:00Z"),
+    ]
+    memo = SimpleNamespace(client=FakeClient(items), tuner_running={})
+
+    async def run() -> None:
+        task = asyncio.create_task(handlers.tuner_loop(memo))
+        await asyncio.sleep(0.3)
+        slow_release.set()
+        task.cancel()
+        await asyncio.gather(task, *memo.tuner_running.values(), return_exceptions=True)
+
+    asyncio.run(run())
+    assert calls.count("tuned") >= 3  # every round
+    assert calls.count("broken") >= 3  # a failed window does not stop the next ones
+    assert calls.count("slow") == 1  # still running: not started again
+    assert "off" not in calls and "going" not in calls
