@@ -159,9 +159,12 @@ def test_apply_becomes_available(cluster: Cluster, llmd: dict[str, Any]) -> None
     assert condition(status, "Available")["status"] == "True"
     deployment = cluster.kubectl_json("get", "deployment", name, "-n", cluster.namespace)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == str(
-        llmd["spec"]["engine"].get("tensorParallelSize", 1)
-    )
+    limits = container["resources"].get("limits") or {}
+    if llmd["spec"]["engine"].get("device") == "cpu":
+        assert "nvidia.com/gpu" not in limits  # the CPU sample schedules on any node
+    else:
+        expected = llmd["spec"]["engine"].get("tensorParallelSize", 1)
+        assert str(limits["nvidia.com/gpu"]) == str(expected)
 
 
 def test_completion_through_the_service(cluster: Cluster, llmd: dict[str, Any]) -> None:
