@@ -168,7 +168,12 @@ async def tuner_loop(memo: kopf.Memo) -> None:
         except Exception:
             TUNER_LOGGER.exception("Listing LLMDeployments failed; trying again next round")
             continue
-        for llmd in (listed or {}).get("items") or []:
+        items = (listed or {}).get("items") or []
+        listed_uids = {(item.get("metadata") or {}).get("uid") for item in items}
+        for key in [k for k, task in memo.tuner_running.items() if task.done()]:
+            if key not in listed_uids:
+                del memo.tuner_running[key]  # that object is gone
+        for llmd in items:
             meta = llmd.get("metadata") or {}
             key = meta.get("uid")
             if meta.get("deletionTimestamp") or not tuning.tuning_enabled(llmd.get("spec")):
