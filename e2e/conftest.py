@@ -1,8 +1,9 @@
 """Cluster access for the e2e suite; every test is skipped, with the reason, without a cluster.
 
 Kind (default): `bash e2e/kind-up.sh`, then `.venv/bin/python -m pytest -q e2e`.
-GPU cluster:    `E2E_GPU=1 E2E_KUBE_CONTEXT=<context> E2E_ENGINE_IMAGE=<image>
-                 E2E_OPERATOR_IMAGE=<image> .venv/bin/python -m pytest -q e2e`.
+GPU cluster:    `E2E_KUBE_CONTEXT=<context> REGISTRY=<registry> bash e2e/gpu-up.sh` (builds,
+                 pushes and checks), then `E2E_GPU=1 E2E_KUBE_CONTEXT=<context>
+                 E2E_ENGINE_IMAGE=<image> E2E_OPERATOR_IMAGE=<image> .venv/bin/python -m pytest -q e2e`.
 
 The suite only ever talks to the context it is given (kind-pagoda-e2e by default), never to
 whatever kubectl happens to point at.
