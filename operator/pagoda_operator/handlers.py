@@ -68,12 +68,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # and with the CRD kept on uninstall, deleting a tuned LLMDeployment would then hang for
     # good once the operator is gone. A loop of our own needs no finalizer.
     memo.tuner_running = {}
+    memo.tuner_events = set()
     memo.tuner = asyncio.create_task(tuner_loop(memo))
 
 
 @kopf.on.cleanup()
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
-    tasks = [memo.tuner, *memo.tuner_running.values()]
+    tasks = [memo.tuner, *memo.tuner_running.values(), *memo.tuner_events]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -186,6 +187,29 @@ async def tuner_loop(memo: kopf.Memo) -> None:
             memo.tuner_running[key] = asyncio.create_task(tune_llmdeployment(llmd, memo))
 
 
+def api_event_emitter(client: KubeClient, llmd: dict[str, Any], pending: set) -> EmitEvent:
+    """Posts Events through the operator's own client: the tuner loop runs outside kopf's
+    handlers, where kopf.event has nothing to post through."""
+
+    def emit(event_type: str, reason: str, message: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            client.post_event(llmd, event_type, reason, message)
+        )
+        pending.add(task)  # held until done, so the task is not collected half-way
+        task.add_done_callback(_event_posted(pending))
+
+    return emit
+
+
+def _event_posted(pending: set) -> Any:
+    def done(task: asyncio.Task) -> None:
+        pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            TUNER_LOGGER.warning("Posting a tuner Event failed: %s", task.exception())
+
+    return done
+
+
 async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
     meta = llmd["metadata"]
     logger = ObjectLogger(TUNER_LOGGER, {"object": f"{meta.get('namespace')}/{meta.get('name')}"})
@@ -194,7 +218,7 @@ async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
         await tuning.tune(
             memo.client,
             llmd,
-            emit=event_emitter(llmd),
+            emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
             logger=logger,
             window_s=tuning.window_seconds(),
         )

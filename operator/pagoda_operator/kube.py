@@ -7,6 +7,7 @@ operator carries no second Kubernetes library.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,38 @@ class KubeClient:
         """True when something was deleted, False when it was already gone."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         return await self.request("DELETE", path, body=body) is not None
+
+    async def post_event(
+        self, obj: dict[str, Any], event_type: str, reason: str, message: str
+    ) -> None:
+        """An Event about ``obj``, as kopf.event posts it, for code that runs outside kopf's
+        handlers (where kopf.event has no queue to post to)."""
+        meta = obj["metadata"]
+        now = datetime.datetime.now(tz=datetime.UTC).isoformat()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"namespace": meta["namespace"], "generateName": f"{c.OPERATOR_NAME}-"},
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1000],
+            "action": reason,
+            "reportingComponent": c.OPERATOR_NAME,
+            "reportingInstance": c.OPERATOR_NAME,
+            "source": {"component": c.OPERATOR_NAME},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion", c.API_VERSION),
+                "kind": obj.get("kind", c.KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "eventTime": now,
+            "count": 1,
+        }
+        await self.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", body=event)
 
     async def serves(self, group_version: str, plural: str) -> bool:
         """Whether the cluster serves this resource, e.g. servicemonitors of the Prometheus

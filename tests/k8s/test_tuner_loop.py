@@ -22,6 +22,12 @@ def llmd(name: str, mode: str, **meta: Any) -> dict[str, Any]:
 class FakeClient:
     def __init__(self, items: list[dict[str, Any]]) -> None:
         self.items = items
+        self.events: list[tuple[str, str, str]] = []
+
+    async def post_event(
+        self, obj: dict[str, Any], event_type: str, reason: str, message: str
+    ) -> None:
+        self.events.append((obj["metadata"]["name"], event_type, reason))
 
     async def get(self, path: str) -> dict[str, Any]:
         assert path == "/apis/pagoda.dev/v1alpha1/llmdeployments"
@@ -34,8 +40,10 @@ def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
     calls: list[str] = []
     slow_release = asyncio.Event()
 
-    async def fake_tune(client: Any, obj: dict[str, Any], **_: Any) -> None:
+    async def fake_tune(client: Any, obj: dict[str, Any], *, emit: Any, **_: Any) -> None:
         calls.append(obj["metadata"]["name"])
+        # Outside kopf's handlers: the Event must still be posted (kopf.event cannot).
+        emit("Normal", "TuningRecommendation", "raise maxNumSeqs")
         assert obj["kind"] == "LLMDeployment"
         if obj["metadata"]["name"] == "slow":
             await slow_release.wait()
@@ -44,7 +52,6 @@ def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
 
     monkeypatch.setattr(runner, "interval_seconds", lambda: 0.01)
     monkeypatch.setattr(runner, "tune", fake_tune)
-    monkeypatch.setattr(handlers, "event_emitter", lambda body: lambda *args: None)
     items = [
         llmd("tuned", "Auto"),
         llmd("slow", "Recommend"),
@@ -52,7 +59,8 @@ def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
         llmd("off", "Off"),
         llmd("going", "Auto", deletionTimestamp="2025-01-01T00:00:00Z"),
     ]
-    memo = SimpleNamespace(client=FakeClient(items), tuner_running={})
+    client = FakeClient(items)
+    memo = SimpleNamespace(client=client, tuner_running={}, tuner_events=set())
 
     async def run() -> None:
         task = asyncio.create_task(handlers.tuner_loop(memo))
@@ -60,9 +68,11 @@ def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
         slow_release.set()
         task.cancel()
         await asyncio.gather(task, *memo.tuner_running.values(), return_exceptions=True)
+        await asyncio.gather(*memo.tuner_events, return_exceptions=True)
 
     asyncio.run(run())
     assert calls.count("tuned") >= 3  # every round
     assert calls.count("broken") >= 3  # a failed window does not stop the next ones
     assert calls.count("slow") == 1  # still running: not started again
     assert "off" not in calls and "going" not in calls
+    assert ("tuned", "Normal", "TuningRecommendation") in client.events
