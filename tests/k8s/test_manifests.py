@@ -88,3 +88,19 @@ def test_invalid_samples_are_rejected_for_the_stated_reason(
 
 def test_there_are_enough_invalid_samples() -> None:
     assert len(INVALID_SAMPLES) >= 15
+
+
+def test_cpu_sample_requests_no_gpu() -> None:
+    """The CPU sample schedules on a plain kind node: no nvidia.com/gpu request."""
+    from pagoda_operator.desired import desired_objects
+
+    (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-cpu.yaml")
+    sample["metadata"]["uid"] = "uid-1"
+    (deployment,) = [
+        obj
+        for obj in desired_objects(sample, service_monitor_api=False)
+        if obj["kind"] == "Deployment"
+    ]
+    resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in resources.get("limits", {})
+    assert "nvidia.com/gpu" not in resources.get("requests", {})
