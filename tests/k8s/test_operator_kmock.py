@@ -296,6 +296,39 @@ def test_service_monitor_once_its_crd_is_served(cluster: EmulatedCluster) -> Non
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
+def test_review_fixes_reach_the_cluster(cluster: EmulatedCluster) -> None:
+    """pvc.readOnly, the rollout and termination defaults, pod template fields, Service
+    annotations and per-condition observedGeneration, as the operator applies them."""
+    namespace, name = "fixes", "qwen"
+    model = {"name": "m", "source": {"pvc": {"claimName": "w", "readOnly": False}}}
+    spec = {
+        "model": model,
+        "replicas": 2,
+        "priorityClassName": "inference",
+        "podLabels": {"team": "ml"},
+        "service": {"annotations": {"example.com/lb": "internal"}},
+    }
+    cluster.create(llmd_path(namespace), make_llmd(namespace, name, **spec))
+    deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    assert pod["spec"]["priorityClassName"] == "inference"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 150
+    container = engine_container(deployment)
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 10}}}
+    assert flag_value(container["args"], "--shutdown-grace-seconds") == "120"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model"]
+    assert mount["readOnly"] is False
+    service = wait_for(lambda: cluster.get(service_path(namespace, name)), what="Service")
+    assert service["metadata"]["annotations"]["example.com/lb"] == "internal"
+    status = wait_for(
+        lambda: (s := llmd_status(cluster, namespace, name)).get("conditions") and s,
+        what="conditions",
+    )
+    assert {cond["observedGeneration"] for cond in status["conditions"]} == {1}
+
+
 def test_watches_only_its_own_objects(cluster: EmulatedCluster) -> None:
     """Owned kinds are watched with a server-side label selector, never cluster-wide."""
 
