@@ -51,7 +51,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=c.GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{c.GROUP}/finalizer"
-    settings.posting.level = logging.INFO
+    # kopf turns its per-object log lines into Events at this level: "Handler succeeded" on
+    # every rollout step of every owned object would be an API write each, so only problems
+    # become Events. The operator's own Events (Created, Updated, Phase..., ModelCached) are
+    # posted explicitly.
+    settings.posting.level = logging.WARNING
     # Watches restart every few minutes so a silently dropped connection cannot go unnoticed.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

@@ -27,6 +27,7 @@ import kmock
 from kmock._internal import enums, rendering
 
 TEST_USER_AGENT = "pagoda-tests"
+REQUEST_HISTORY = 200
 
 
 @attrs.define(kw_only=True)
@@ -44,6 +45,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 dict(request.params),
             )
         )
+        # kmock keeps every request and matches each new one by scanning that history, so a
+        # long test module gets quadratically slower; ``calls`` above is the record we keep.
+        # Only requests that arrived moments ago can still be matching.
+        if len(self._requests) > REQUEST_HISTORY * 2:
+            del self._requests[:-REQUEST_HISTORY]
         if request.resource is not None and isinstance(request.data, dict):
             self._fill_server_fields(request)
         deleted_uid = self._uid_being_deleted(request)
