@@ -4,8 +4,14 @@ Label contract: every engine series carries ``namespace`` and ``llmdeployment`` 
 namespace of the pod and the value of its ``pagoda.dev/llmdeployment`` label. The relabelling
 that produces them (Kubernetes pod service discovery, or a ServiceMonitor) is in
 operator/README.md. Restarts and OOM kills come from kube-state-metrics, which labels its
-series with ``namespace``, ``pod`` and ``container``; a Deployment's pods are named
-``<name>-<template hash>-<suffix>``.
+series with ``namespace``, ``pod`` and ``container``; an engine's pods are found through
+``kube_pod_owner``, whose owner is the ReplicaSet ``<name>-<template hash>``: pod names
+themselves are cut to 58 characters before their random suffix, so a long name cannot be
+matched by a pattern over the pod's name.
+
+Every name reaches PromQL through ``promql_string`` (and a regular expression first through
+``re.escape``): a PromQL string follows Go's escapes, in which ``\\-`` or ``\\.`` unescaped is
+a parse error, and a Kubernetes name is full of ``-``.
 """
 
 from __future__ import annotations
@@ -43,29 +49,45 @@ REQUIRED = (
 OPTIONAL = ("restarts", "oom_kills")
 
 
+def promql_string(value: str) -> str:
+    """``value`` as a double-quoted PromQL string literal."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
 def engine_selector(namespace: str, name: str) -> str:
-    return f'namespace="{namespace}",llmdeployment="{name}"'
+    return f"namespace={promql_string(namespace)},llmdeployment={promql_string(name)}"
 
 
-def pod_selector(namespace: str, name: str) -> str:
+def owner_selector(namespace: str, name: str) -> str:
+    """kube_pod_owner series of the pods of this LLMDeployment's Deployment: owned by one
+    of its ReplicaSets, ``<name>-<pod template hash>`` (the hash has no ``-``)."""
+    replica_sets = promql_string(f"{re.escape(name)}-[a-z0-9]+")
     return (
-        f'namespace="{namespace}",pod=~"{re.escape(name)}-[a-z0-9]+-[a-z0-9]+",'
-        f'container="{ENGINE_CONTAINER}"'
+        f'namespace={promql_string(namespace)},owner_kind="ReplicaSet",owner_name=~{replica_sets}'
     )
+
+
+def engine_container_selector(namespace: str) -> str:
+    return f"namespace={promql_string(namespace)},container={promql_string(ENGINE_CONTAINER)}"
 
 
 def snapshot_queries(namespace: str, name: str, window_s: float) -> dict[str, str]:
     """PromQL for each Snapshot field, over the window that ends now."""
     sel = engine_selector(namespace, name)
-    pods = pod_selector(namespace, name)
+    containers = engine_container_selector(namespace)
     w = f"{max(1, math.ceil(window_s))}s"
 
     def p95(histogram: str) -> str:
         return f"histogram_quantile(0.95, sum by (le) (rate({histogram}_bucket{{{sel}}}[{w}])))"
 
-    restarts = f"increase(kube_pod_container_status_restarts_total{{{pods}}}[{w}])"
+    owned = f"max by (namespace, pod) (kube_pod_owner{{{owner_selector(namespace, name)}}})"
+    restarts = (
+        f"(increase(kube_pod_container_status_restarts_total{{{containers}}}[{w}])"
+        f" * on (namespace, pod) group_left () {owned})"
+    )
     oom_terminated = (
-        f'kube_pod_container_status_last_terminated_reason{{{pods},reason="OOMKilled"}} == 1'
+        f'kube_pod_container_status_last_terminated_reason{{{containers},reason="OOMKilled"}} == 1'
     )
     return {
         "pods": f"count(vllm:num_requests_running{{{sel}}})",
