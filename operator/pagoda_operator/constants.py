@@ -35,3 +35,8 @@ ENGINE_IMAGE_ENV = "PAGODA_ENGINE_IMAGE"
 ENGINE_USER_ID = 1000
 # "false" when the Helm chart's own ServiceMonitor already scrapes every engine.
 SERVICE_MONITORS_ENV = "PAGODA_SERVICE_MONITORS"
+# Labels (a JSON object) and scrape interval of the per-LLMDeployment ServiceMonitors: the
+# labels a Prometheus selects ServiceMonitors by (`release: kube-prometheus-stack`, say).
+SERVICE_MONITOR_LABELS_ENV = "PAGODA_SERVICE_MONITOR_LABELS"
+SERVICE_MONITOR_INTERVAL_ENV = "PAGODA_SERVICE_MONITOR_INTERVAL"
+DEFAULT_SCRAPE_INTERVAL = "15s"

@@ -7,9 +7,11 @@ can tell "already as desired" from "needs an update" by comparing one string.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import constants as c
@@ -22,11 +24,24 @@ from pagoda_operator.model_cache import (
     loader_job_body,
     loader_job_name,
 )
+from pagoda_operator.overrides import effective_spec
+from pagoda_operator.promql import engine_selector
 from pagoda_operator.spec import model_source, with_defaults
 
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 STARTUP_PROBE_PERIOD_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """What the operator's ServiceMonitors carry besides their own labels."""
+
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    interval: str = c.DEFAULT_SCRAPE_INTERVAL
+
+
+DEFAULT_MONITOR = MonitorSettings()
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -72,6 +87,7 @@ def _finish(
     body: dict[str, Any],
     object_name: str = "",
     annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
 ) -> dict:
     """Wraps a spec-level body into a complete object with metadata and its config hash."""
     name = llmd["metadata"]["name"]
@@ -81,7 +97,7 @@ def _finish(
         "metadata": {
             "name": object_name or name,
             "namespace": llmd["metadata"]["namespace"],
-            "labels": common_labels(name),
+            "labels": labels or common_labels(name),
             "annotations": dict(annotations or {}),
             "ownerReferences": [owner_reference(llmd)],
         },
@@ -97,16 +113,18 @@ def desired_objects(
     service_monitor_api: bool,
     default_image: str = c.DEFAULT_ENGINE_IMAGE,
     model_cached: bool = True,
+    monitor: MonitorSettings = DEFAULT_MONITOR,
 ) -> list[dict[str, Any]]:
-    """Everything this LLMDeployment should own right now, in the order to apply it.
+    """Everything this LLMDeployment should own right now, in the order to apply it: its
+    spec with the tuner's overrides in force (see ``overrides``).
 
     ``model_cached``: whether the model cache (hf:// and s3:// sources) holds the weights;
-    until it does, the Deployment runs no replicas.
+    until it does, the Deployment runs no replicas, whatever the tuner's replica override.
     """
-    spec = with_defaults(llmd.get("spec") or {})
+    spec = effective_spec(llmd)
     objects = []
     if download_uri(spec):
-        objects += desired_model_cache(llmd, spec, default_image)
+        objects += desired_model_cache(llmd, spec, default_image, replicas_ceiling(llmd))
     objects += [
         desired_deployment(llmd, spec, default_image, model_cached=model_cached),
         desired_service(llmd, spec),
@@ -115,9 +133,14 @@ def desired_objects(
     if budget is not None:
         objects.append(desired_pod_disruption_budget(llmd, budget))
     if spec["autoscaling"]["enabled"]:
-        objects.append(desired_autoscaler(llmd, spec))
+        if spec["autoscaling"]["backend"] == "KEDA":
+            if prometheus_auth(spec):
+                objects.append(desired_trigger_authentication(llmd, spec))
+            objects.append(desired_scaled_object(llmd, spec))
+        else:
+            objects.append(desired_autoscaler(llmd, spec))
     if service_monitor_api:
-        objects.append(desired_service_monitor(llmd))
+        objects.append(desired_service_monitor(llmd, monitor))
     return objects
 
 
@@ -133,6 +156,19 @@ def effective_replicas(spec: dict[str, Any]) -> int:
 def effective_max_replicas(spec: dict[str, Any]) -> int:
     autoscaling = spec["autoscaling"]
     return autoscaling["maxReplicas"] if autoscaling["enabled"] else int(spec["replicas"])
+
+
+def replicas_ceiling(llmd: dict[str, Any]) -> int:
+    """The most replicas the user's spec lets run: the autoscaler's maximum, or the tuner's
+    when it may move replicas (mode Auto, not pinned), else spec.replicas. Taken from the spec
+    without the tuner's overrides, so an override never asks for a different cache access
+    mode (a claim's accessModes cannot change)."""
+    spec = with_defaults(llmd.get("spec") or {})
+    tuning = spec["tuning"]
+    tuned = tuning["mode"] == "Auto" and "replicas" not in (tuning.get("pinned") or [])
+    if tuned:
+        return max(effective_max_replicas(spec), int(spec["autoscaling"]["maxReplicas"]))
+    return effective_max_replicas(spec)
 
 
 def rollout_strategy(spec: dict[str, Any]) -> dict[str, Any]:
@@ -153,11 +189,11 @@ def rollout_strategy(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def desired_model_cache(
-    llmd: dict[str, Any], spec: dict[str, Any], default_image: str
+    llmd: dict[str, Any], spec: dict[str, Any], default_image: str, max_replicas: int
 ) -> list[dict[str, Any]]:
     """The cache volume and the Job that fills it (see model_cache.py)."""
     name = llmd["metadata"]["name"]
-    claim = cache_claim_body(spec, effective_max_replicas(spec))
+    claim = cache_claim_body(spec, max_replicas)
     job = loader_job_body(
         name,
         spec,
@@ -410,7 +446,9 @@ def desired_pod_disruption_budget(llmd: dict[str, Any], budget: dict[str, int]) 
     return _finish(llmd, "policy/v1", "PodDisruptionBudget", body)
 
 
-def desired_service_monitor(llmd: dict[str, Any]) -> dict[str, Any]:
+def desired_service_monitor(
+    llmd: dict[str, Any], monitor: MonitorSettings = DEFAULT_MONITOR
+) -> dict[str, Any]:
     name = llmd["metadata"]["name"]
     body = {
         "spec": {
@@ -419,7 +457,7 @@ def desired_service_monitor(llmd: dict[str, Any]) -> dict[str, Any]:
                 {
                     "port": c.ENGINE_PORT_NAME,
                     "path": c.METRICS_PATH,
-                    "interval": "15s",
+                    "interval": monitor.interval,
                     # The tuner selects an LLMDeployment's series by these labels.
                     "relabelings": [
                         {
@@ -431,7 +469,9 @@ def desired_service_monitor(llmd: dict[str, Any]) -> dict[str, Any]:
             ],
         }
     }
-    return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body)
+    # The labels a Prometheus selects ServiceMonitors by; ours win a clash (the selector's).
+    labels = {**monitor.labels, **common_labels(name)}
+    return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
 
 
 def _pod_label_meta(label: str) -> str:
@@ -463,6 +503,80 @@ def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, 
         }
     }
     return _finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
+
+
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+
+
+def autoscaler_queries(namespace: str, name: str) -> dict[str, str]:
+    """The two load signals, summed over this LLMDeployment's engines: KEDA divides a sum
+    by the replica count (metricType AverageValue), as the HPA averages per pod."""
+    selector = engine_selector(namespace, name)
+    return {
+        "requests-waiting": f"sum(vllm:num_requests_waiting{{{selector}}})",
+        "kv-cache-usage": f"sum(vllm:kv_cache_usage_perc{{{selector}}})",
+    }
+
+
+def prometheus_auth(spec: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The Secrets of ``spec.prometheus`` (bearer token, CA bundle) that are set."""
+    prometheus = spec.get("prometheus") or {}
+    return {
+        field: prometheus[field]
+        for field in ("bearerTokenSecretRef", "caSecretRef")
+        if prometheus.get(field)
+    }
+
+
+def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """A KEDA ScaledObject on the LLMDeployment's scale subresource, with Prometheus
+    triggers on the same signals as the HPA; KEDA queries ``spec.prometheus.url`` itself,
+    so no prometheus-adapter is needed (vLLM production-stack scales the same way)."""
+    meta = llmd["metadata"]
+    autoscaling = spec["autoscaling"]
+    queries = autoscaler_queries(meta["namespace"], meta["name"])
+    targets = {"requests-waiting": str(autoscaling["targetRequestsWaiting"])}
+    if autoscaling.get("targetKVCacheUsage") is not None:
+        targets["kv-cache-usage"] = f"{float(autoscaling['targetKVCacheUsage']):g}"
+    auth = prometheus_auth(spec)
+    triggers = []
+    for signal, threshold in targets.items():
+        trigger: dict[str, Any] = {
+            "type": "prometheus",
+            "name": signal,
+            "metricType": "AverageValue",
+            "metadata": {
+                "serverAddress": spec["prometheus"]["url"],
+                "query": queries[signal],
+                "threshold": threshold,
+                # No engine reporting yet (all loading) is no load, not an error.
+                "ignoreNullValues": "true",
+            },
+        }
+        if "bearerTokenSecretRef" in auth:
+            trigger["metadata"]["authModes"] = "bearer"
+        if auth:
+            trigger["authenticationRef"] = {"name": meta["name"]}
+        triggers.append(trigger)
+    body = {
+        "spec": {
+            "scaleTargetRef": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"]},
+            "minReplicaCount": autoscaling["minReplicas"],
+            "maxReplicaCount": autoscaling["maxReplicas"],
+            "triggers": triggers,
+        }
+    }
+    return _finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
+
+
+def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """Hands the Secrets of ``spec.prometheus`` to KEDA's Prometheus triggers."""
+    parameters = {"bearerTokenSecretRef": "bearerToken", "caSecretRef": "ca"}
+    refs = [
+        {"parameter": parameters[field], "name": ref["name"], "key": ref["key"]}
+        for field, ref in prometheus_auth(spec).items()
+    ]
+    return _finish(llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}})
 
 
 def _pods_metric(name: str, average_value: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from pagoda_operator import constants as c
+from pagoda_operator.desired import MonitorSettings
 from pagoda_operator.kube import KubeClient
 from pagoda_operator.reconcile import EmitEvent, owner_of, reconcile
 from pagoda_operator.tuning import runner as tuning
@@ -68,6 +69,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.client = KubeClient(lambda: connection_info(settings))
     memo.default_image = os.environ.get(c.ENGINE_IMAGE_ENV, c.DEFAULT_ENGINE_IMAGE)
     memo.service_monitors = os.environ.get(c.SERVICE_MONITORS_ENV, "true").lower() != "false"
+    memo.monitor = MonitorSettings(
+        labels=json.loads(os.environ.get(c.SERVICE_MONITOR_LABELS_ENV) or "{}"),
+        interval=os.environ.get(c.SERVICE_MONITOR_INTERVAL_ENV) or c.DEFAULT_SCRAPE_INTERVAL,
+    )
     # The tuner is not a kopf timer: kopf puts a finalizer on every object a timer runs for,
     # and with the CRD kept on uninstall, deleting a tuned LLMDeployment would then hang for
     # good once the operator is gone. A loop of our own needs no finalizer.
@@ -97,6 +102,7 @@ async def reconcile_llmdeployment(
         emit=event_emitter(body),
         default_image=memo.default_image,
         service_monitors=memo.service_monitors,
+        monitor=memo.monitor,
         logger=logger,
     )
 
@@ -136,6 +142,7 @@ async def owned_object_changed(
             emit=event_emitter(llmd),
             default_image=memo.default_image,
             service_monitors=memo.service_monitors,
+            monitor=memo.monitor,
             logger=logger,
         )
     except kopf.TemporaryError as error:
@@ -217,14 +224,28 @@ def _event_posted(pending: set) -> Any:
 async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
     meta = llmd["metadata"]
     logger = ObjectLogger(TUNER_LOGGER, {"object": f"{meta.get('namespace')}/{meta.get('name')}"})
+    emit = api_event_emitter(memo.client, llmd, memo.tuner_events)
+
+    async def apply_owned(current: dict[str, Any]) -> None:
+        await reconcile(
+            memo.client,
+            current,
+            emit=emit,
+            default_image=memo.default_image,
+            service_monitors=memo.service_monitors,
+            monitor=memo.monitor,
+            logger=logger,
+        )
+
     # Errors end the window, never the loop: the next window simply tries again.
     try:
         await tuning.tune(
             memo.client,
             llmd,
-            emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
+            emit=emit,
             logger=logger,
             window_s=tuning.window_seconds(),
+            apply_owned=apply_owned,
         )
     except Exception:
         TUNER_LOGGER.exception(

@@ -28,6 +28,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentications",
     (c.API_VERSION, c.KIND): c.PLURAL,
 }
 
@@ -152,12 +154,16 @@ class KubeClient:
             applied = await self.request("POST", collection, body=obj)
         return applied or {}
 
-    async def patch_status(self, path: str, status: dict[str, Any]) -> dict[str, Any] | None:
+    async def patch_status(
+        self, path: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any] | None:
+        """A merge patch of the status; with ``resource_version``, only if the object is still
+        at that version (else KubeError 409, as for any write from a stale read)."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         return await self.request(
-            "PATCH",
-            f"{path}/status",
-            body={"status": status},
-            content_type=MERGE_PATCH_CONTENT_TYPE,
+            "PATCH", f"{path}/status", body=body, content_type=MERGE_PATCH_CONTENT_TYPE
         )
 
     async def delete(self, path: str) -> bool:

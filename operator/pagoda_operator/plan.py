@@ -17,6 +17,8 @@ OWNED_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
 )
 
 # Kinds named after their LLMDeployment with a suffix; the rest carry its name as it is.

@@ -15,7 +15,12 @@ import aiohttp
 import kopf
 
 from pagoda_operator import constants as c
-from pagoda_operator.desired import desired_objects
+from pagoda_operator.desired import (
+    DEFAULT_MONITOR,
+    KEDA_API_VERSION,
+    MonitorSettings,
+    desired_objects,
+)
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
 from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
 from pagoda_operator.plan import (
@@ -55,12 +60,25 @@ async def reconcile(
     default_image: str,
     logger: logging.Logger,
     service_monitors: bool = True,
+    monitor: MonitorSettings = DEFAULT_MONITOR,
 ) -> dict[str, Any]:
     """Brings the owned objects to the spec and records the outcome in the status.
 
     Spec problems end in a Degraded status and return normally, so kopf does not retry
     until the spec changes. Transient API failures raise kopf.TemporaryError instead.
+
+    It works from a fresh read: the Deployment is rendered from the spec and the tuner's
+    overrides in the status, and a body from an older event may lack the latest override
+    (rendering from it would roll the engines back and forth).
     """
+    try:
+        fresh = await client.get(llmd_path(llmd))
+    except (KubeError, aiohttp.ClientError) as error:
+        message = f"reading the LLMDeployment: {error}"
+        raise kopf.TemporaryError(message, delay=RETRY_DELAY_SECONDS) from error
+    if fresh is None:
+        return {}  # deleted meanwhile: its owned objects go with it
+    llmd = fresh
     errors = validate_spec(with_defaults(llmd.get("spec") or {}))
     if errors:
         message = "; ".join(errors)
@@ -70,7 +88,7 @@ async def reconcile(
         )
     try:
         applied = await apply_owned_objects(
-            client, llmd, emit, default_image, service_monitors=service_monitors
+            client, llmd, emit, default_image, service_monitors=service_monitors, monitor=monitor
         )
     except KubeError as error:
         if error.retryable:
@@ -82,6 +100,10 @@ async def reconcile(
         raise kopf.TemporaryError(f"API unreachable: {error}", delay=RETRY_DELAY_SECONDS) from error
     except NameConflictError as error:
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
+        return await write_status(client, llmd, status, emit)
+    except MissingApiError as error:
+        logger.warning("%s", error)
+        status = spec_problem_status(llmd, "MissingAPI", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
     previous_generation = (llmd.get("status") or {}).get("observedGeneration")
     status = workload_status(
@@ -106,6 +128,10 @@ class NameConflictError(Exception):
     """An object with the LLMDeployment's name exists and belongs to someone else."""
 
 
+class MissingApiError(Exception):
+    """The spec asks for an object of a kind the cluster does not serve (KEDA's)."""
+
+
 async def apply_owned_objects(
     client: KubeClient,
     llmd: dict[str, Any],
@@ -113,6 +139,7 @@ async def apply_owned_objects(
     default_image: str,
     *,
     service_monitors: bool,
+    monitor: MonitorSettings = DEFAULT_MONITOR,
 ) -> Applied:
     """Creates, updates and deletes owned objects; returns the Deployment as it is now, the
     model cache's state, and whether the Deployment's update waits for the cache."""
@@ -120,12 +147,19 @@ async def apply_owned_objects(
     service_monitor_api = service_monitors and await client.serves(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
+    keda_api = await client.serves(KEDA_API_VERSION, "scaledobjects")
     desired = desired_objects(
-        llmd, service_monitor_api=service_monitor_api, default_image=default_image
+        llmd, service_monitor_api=service_monitor_api, default_image=default_image, monitor=monitor
     )
+    if not keda_api and any(obj["apiVersion"] == KEDA_API_VERSION for obj in desired):
+        raise MissingApiError(
+            "spec.autoscaling.backend is KEDA, but the cluster serves no "
+            f"{KEDA_API_VERSION} ScaledObjects: install KEDA, or use the HPA backend"
+        )
     existing = {}
     for api_version, kind in OWNED_KINDS:
-        if kind == "ServiceMonitor" and not service_monitor_api:
+        served = keda_api if api_version == KEDA_API_VERSION else True
+        if (kind == "ServiceMonitor" and not service_monitor_api) or not served:
             existing[(api_version, kind)] = None
             continue
         existing[(api_version, kind)] = await client.get(
@@ -138,6 +172,7 @@ async def apply_owned_objects(
             service_monitor_api=service_monitor_api,
             default_image=default_image,
             model_cached=False,
+            monitor=monitor,
         )
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
     held = False

@@ -20,6 +20,7 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+AUTOSCALER_BACKENDS = ("HPA", "KEDA")
 TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization")
 
 # Flags the operator sets from typed fields; passing them again through extraArgs would
@@ -59,6 +60,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
     },
     "autoscaling": {
         "enabled": False,
+        "backend": "HPA",
         "minReplicas": 1,
         "maxReplicas": 1,
         "targetRequestsWaiting": 4,
@@ -254,6 +256,15 @@ def _replica_errors(spec: dict[str, Any]) -> list[str]:
         errors.append(f"spec.autoscaling.minReplicas: must be >= 1 (got {low})")
     elif _is_int(high) and low > high:
         errors.append(f"spec.autoscaling: minReplicas must be <= maxReplicas ({low} > {high})")
+    backend = autoscaling.get("backend")
+    if backend not in AUTOSCALER_BACKENDS:
+        errors.append(f"spec.autoscaling.backend: must be HPA or KEDA (got {backend})")
+    elif (
+        autoscaling.get("enabled")
+        and backend == "KEDA"
+        and not (spec.get("prometheus") or {}).get("url")
+    ):
+        errors.append("spec.prometheus.url: required when spec.autoscaling.backend is KEDA")
     return errors
 
 

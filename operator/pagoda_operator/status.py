@@ -10,7 +10,7 @@ from typing import Any
 
 from pagoda_operator.desired import effective_replicas, selector_string
 from pagoda_operator.model_cache import CacheState
-from pagoda_operator.spec import with_defaults
+from pagoda_operator.overrides import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, effective_spec
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
@@ -20,7 +20,7 @@ CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, MODEL_CACHED)
 
 # Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
 # the spec changes, whatever the Deployment reports meanwhile.
-SPEC_PROBLEM_REASONS = ("InvalidSpec", "ApplyFailed", "NameConflict")
+SPEC_PROBLEM_REASONS = ("InvalidSpec", "ApplyFailed", "NameConflict", "MissingAPI")
 
 
 def now_rfc3339() -> str:
@@ -125,7 +125,7 @@ def workload_status(
     held back until the model cache is ready); it is what ``observedGeneration`` and the
     workload conditions report, so no generation is stamped before it was applied.
     """
-    spec = with_defaults(llmd.get("spec") or {})
+    spec = effective_spec(llmd)
     meta = llmd.get("metadata") or {}
     previous = llmd.get("status") or {}
     desired = effective_replicas(spec)
@@ -158,6 +158,12 @@ def workload_status(
         "serviceName": meta["name"],
         # None removes a record left from an earlier download source (merge patch).
         "modelCache": cache.status(spec, meta["name"]) if cache is not None else None,
+        # What the engines are told to run: the spec with the tuner's overrides.
+        "effective": {
+            "replicas": desired,
+            MAX_NUM_SEQS: spec["engine"][MAX_NUM_SEQS],
+            GPU_MEMORY_UTILIZATION: spec["engine"][GPU_MEMORY_UTILIZATION],
+        },
         "conditions": merge_conditions(previous.get("conditions") or [], current, now),
     }
 

@@ -3,8 +3,9 @@
 kmock keeps objects in memory and serves list/watch/get/create/patch/delete. On top of it,
 ``ClusterEmulator`` adds what a real API server and controller manager would do and the
 operator relies on: uid, generation, resourceVersion and creationTimestamp on objects,
-names from generateName, and cascading deletion through owner references (also of objects
-created with an owner that is already gone, as the garbage collector does).
+names from generateName, cascading deletion through owner references (also of objects
+created with an owner that is already gone, as the garbage collector does), and optimistic
+concurrency (a write that names a resourceVersion other than the object's is a 409).
 """
 
 from __future__ import annotations
@@ -25,9 +26,20 @@ from typing import Any
 import attrs
 import kmock
 from kmock._internal import enums, rendering
+from kmock._internal.k8s import KubernetesError
 
 TEST_USER_AGENT = "pagoda-tests"
 REQUEST_HISTORY = 200
+
+
+@attrs.frozen
+class ResourceVersionConflictError(KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = (
+        "Operation cannot be fulfilled: the object has been modified; "
+        "please apply your changes to the latest version and try again"
+    )
 
 
 @attrs.define(kw_only=True)
@@ -51,6 +63,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if len(self._requests) > REQUEST_HISTORY * 2:
             del self._requests[:-REQUEST_HISTORY]
         if request.resource is not None and isinstance(request.data, dict):
+            if self._stale_write(request):
+                raise ResourceVersionConflictError()
             self._fill_server_fields(request)
         deleted_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
@@ -101,6 +115,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     _merged(current.get("spec"), request.data["spec"]), sort_keys=True
                 ):
                     meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+
+    def _stale_write(self, request: rendering.Request) -> bool:
+        """A write preconditioned on a resourceVersion the object no longer has."""
+        expected = (request.data.get("metadata") or {}).get("resourceVersion")
+        if request.action != enums.action.UPDATE or expected is None:
+            return False
+        current = self._current(request)
+        return current is not None and current["metadata"].get("resourceVersion") != expected
 
     def _current(self, request: rendering.Request) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pagoda_operator.desired import MonitorSettings, desired_service_monitor
 
 from .conftest import CHART, MANIFESTS, load_documents
 from .test_manifests import KUBERNETES_VERSIONS
@@ -126,8 +128,46 @@ def test_service_monitor_only_when_enabled(rendered: tuple[str, list]) -> None:
     (monitor,) = monitors
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "30s")
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pagoda-engine"
+
+
+def test_every_service_monitor_labels_series_as_the_tuner_selects_them(helm: str) -> None:
+    """The chart's ServiceMonitor and the operator's per-LLMDeployment ones relabel alike
+    (without `llmdeployment` the tuner finds no series), and both carry the labels a
+    kube-prometheus-stack Prometheus selects ServiceMonitors by."""
+    labels = ["--set", "serviceMonitor.labels.release=kube-prometheus-stack"]
+    chart_level = render(helm, ["--set", "serviceMonitor.enabled=true", *labels])
+    (monitor,) = by_kind(chart_level, "ServiceMonitor")
+    llmd = {"metadata": {"name": "qwen2-5-7b", "namespace": "team-a", "uid": "u"}, "spec": {}}
+    per_object = render(helm, labels)
+    (deployment,) = by_kind(per_object, "Deployment")
+    env = container_env(deployment)
+    assert env["PAGODA_SERVICE_MONITORS"] == "true"
+    settings = MonitorSettings(
+        labels=json.loads(env["PAGODA_SERVICE_MONITOR_LABELS"]),
+        interval=env["PAGODA_SERVICE_MONITOR_INTERVAL"],
+    )
+    own = desired_service_monitor(llmd, settings)
+    assert own["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert own["metadata"]["labels"]["pagoda.dev/llmdeployment"] == "qwen2-5-7b"
+    assert own["spec"]["endpoints"][0]["interval"] == "15s"
+    relabelings = own["spec"]["endpoints"][0]["relabelings"]
+    assert monitor["spec"]["endpoints"][0]["relabelings"] == relabelings
+    assert relabelings == [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_pagoda_dev_llmdeployment"],
+            "targetLabel": "llmdeployment",
+        }
+    ]
+    # The chart's own ServiceMonitor replaces the per-object ones: never both.
+    assert container_env(by_kind(chart_level, "Deployment")[0])["PAGODA_SERVICE_MONITORS"] == "false"
+
+
+def container_env(deployment: dict[str, Any]) -> dict[str, str]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {item["name"]: item["value"] for item in container["env"]}
 
 
 def test_helm_test_hook_calls_v1_models(rendered: tuple[str, list]) -> None:

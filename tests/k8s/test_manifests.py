@@ -44,7 +44,7 @@ def test_crd_identity(crd: dict[str, Any]) -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "TP", "Replicas", "Ready", "Phase", "Age"]
+    assert columns == ["Model", "TP", "Replicas", "MaxSeqs", "GPUMem", "Ready", "Phase", "Age"]
 
 
 def test_crd_defaults_match_the_operator(crd: dict[str, Any]) -> None:

@@ -599,6 +599,32 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     cluster.patch(llmd_path(namespace, name), {"spec": {"model": {"source": None}}})
     wait_for(lambda: cluster.get(job_path(namespace, name)) is None, what="Job deleted")
     wait_for(lambda: cluster.get(claim_path(namespace, name)) is None, what="claim deleted")
+    # The KEDA backend, with the Prometheus credentials handed over to KEDA.
+    cluster.serve_resource("keda.sh/v1alpha1/scaledobjects", "ScaledObject")
+    cluster.serve_resource("keda.sh/v1alpha1/triggerauthentications", "TriggerAuthentication")
+    keda_path = f"/apis/keda.sh/v1alpha1/namespaces/{namespace}"
+    keda = {"enabled": True, "backend": "KEDA", "minReplicas": 1, "maxReplicas": 3}
+    prometheus = {
+        "url": "http://prometheus.monitoring.svc:9090",
+        "bearerTokenSecretRef": {"name": "prometheus-token", "key": "token"},
+    }
+    cluster.create(
+        llmd_path(namespace),
+        make_llmd(namespace, "keda", replicas=1, autoscaling=keda, prometheus=prometheus),
+    )
+    wait_for(lambda: cluster.get(f"{keda_path}/scaledobjects/keda"), what="ScaledObject")
+    auth = wait_for(
+        lambda: cluster.get(f"{keda_path}/triggerauthentications/keda"), what="TriggerAuth"
+    )
+    assert auth["spec"]["secretTargetRef"][0]["parameter"] == "bearerToken"
+    cluster.patch(llmd_path(namespace, "keda"), {"spec": {"autoscaling": {"enabled": False}}})
+    wait_for(
+        lambda: cluster.get(f"{keda_path}/scaledobjects/keda") is None, what="ScaledObject deleted"
+    )
+    wait_for(
+        lambda: cluster.get(f"{keda_path}/triggerauthentications/keda") is None,
+        what="TriggerAuthentication deleted",
+    )
 
 
 def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> None:
@@ -607,8 +633,12 @@ def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> N
     used = used_permissions(cluster)
     assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"
     # Least privilege: everything granted is something the operator was seen doing, apart
-    # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away.
-    never_exercised = {("monitoring.coreos.com", "servicemonitors", "delete")}
+    # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away,
+    # and reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it).
+    never_exercised = {
+        ("monitoring.coreos.com", "servicemonitors", "delete"),
+        ("", "secrets", "get"),
+    }
     assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
 
 

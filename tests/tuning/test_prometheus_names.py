@@ -22,7 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from k8s.emulated_cluster import wait_for
-from pagoda_operator.tuning.prometheus import observe, snapshot_queries
+from k8s.test_autoscalers import adapter_queries
+from pagoda_operator.desired import autoscaler_queries
+from pagoda_operator.tuning.prometheus import PrometheusEndpoint, observe, snapshot_queries
 from server.server_harness import free_port
 
 from .test_tuner_live import PROMETHEUS, stop
@@ -39,8 +41,10 @@ pytestmark = pytest.mark.slow
 
 
 def pod_name(name: str, index: int) -> str:
-    """As the API server names a ReplicaSet's pods: generateName cut to 58 characters."""
-    return f"{name}-{TEMPLATE_HASH}-"[:58] + f"x2k9{index}"
+    """As the API server names a ReplicaSet's pods: generateName cut to 58 characters, then
+    five random characters (the decoys' differ, as random ones would)."""
+    suffix = "q7w3" if name in DECOYS else "x2k9"
+    return f"{name}-{TEMPLATE_HASH}-"[:58] + f"{suffix}{index}"
 
 
 def exposition(started: float) -> str:
@@ -145,7 +149,7 @@ def scraped_for(url: str) -> float:
 def test_every_query_is_valid_promql_and_selects_only_its_own_series(
     prometheus: str, name: str
 ) -> None:
-    observation = asyncio.run(observe(prometheus, NAMESPACE, name, WINDOW_S))
+    observation = asyncio.run(observe(PrometheusEndpoint(prometheus), NAMESPACE, name, WINDOW_S))
     assert observation.problem == "", observation.problem
     snapshot = observation.snapshot
     assert snapshot is not None
@@ -169,3 +173,28 @@ def test_each_query_parses_for_every_name(prometheus: str) -> None:
         for key, promql in snapshot_queries("ns-1.x", name, WINDOW_S).items():
             response = httpx.get(f"{prometheus}/api/v1/query", params={"query": promql}, timeout=10)
             assert response.status_code == 200, (name, key, response.text)
+
+
+def instant(prometheus: str, promql: str) -> list[dict]:
+    response = httpx.get(f"{prometheus}/api/v1/query", params={"query": promql}, timeout=10)
+    assert response.status_code == 200, (promql, response.text)
+    return response.json()["data"]["result"]
+
+
+@pytest.mark.parametrize("name", [TARGETS[0], TARGETS[2]], ids=["hyphenated", "long"])
+def test_autoscaler_queries_sum_only_their_own_engines(prometheus: str, name: str) -> None:
+    """KEDA's trigger queries (summed, KEDA divides by replicas) and the shipped
+    prometheus-adapter rules (per pod, as the HPA asks for them) against the real thing.
+    (No dotted name here: the CRD allows none, and prometheus-adapter puts pod names into a
+    regex unescaped.)"""
+    keda = autoscaler_queries(NAMESPACE, name)
+    (waiting,) = instant(prometheus, keda["requests-waiting"])
+    assert float(waiting["value"][1]) == pytest.approx(4)  # 2 engines x 2, no decoy
+    (kv,) = instant(prometheus, keda["kv-cache-usage"])
+    assert float(kv["value"][1]) == pytest.approx(1.0)
+    pods = [pod_name(name, index) for index in range(2)]
+    for metric, query in adapter_queries(NAMESPACE, pods).items():
+        result = instant(prometheus, query)
+        assert sorted(item["metric"]["pod"] for item in result) == sorted(pods), metric
+        expected = 2.0 if metric == "vllm_num_requests_waiting" else 0.5
+        assert all(float(item["value"][1]) == pytest.approx(expected) for item in result)

@@ -1,14 +1,21 @@
 """The tuner with real parts: two CPU engine servers under `pagoda bench serve` load, a real
 Prometheus scraping them, and a real `kopf run` of the operator against the kmock API
 emulator. The operator must read the engines' queue from Prometheus and record a decision,
-with its inputs, in status.tuning: first as a recommendation, then applied in Auto mode.
+with its inputs, in status.tuning: first as a recommendation, then applied in Auto mode as an
+override (the spec stays the user's), and reverted when its rollout does not complete in
+time. A second LLMDeployment shows the GitOps case: re-applying the user's manifest neither
+undoes the override nor restarts the engines, and a user's change to the knob resets it.
 
 Prometheus labels the two engines the way the Kubernetes relabelling in operator/README.md
-labels an LLMDeployment's pods: namespace="tuned", llmdeployment="smol".
+labels an LLMDeployment's pods: namespace="tuned", llmdeployment="smol-lm" (a hyphenated name,
+as almost every Kubernetes name is), and once more as llmdeployment="smol-lm-gitops".
+
+Every wait is on a condition, with deadlines meant for a loaded 2-core machine.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -34,7 +41,9 @@ from k8s.test_operator_kmock import (
 from server.server_harness import free_port, start_subprocess_server
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-NAMESPACE, NAME = "tuned", "smol"
+NAMESPACE, NAME, GITOPS = "tuned", "smol-lm", "smol-lm-gitops"
+# Long enough for the slowest step under load, short enough to keep a failing run short.
+DEADLINE_S = 180
 MODEL = "SmolLM2-135M-Instruct"
 # Short windows so the test takes about a minute: a look every 2 s over the last 4 s.
 TUNER_ENV = {"PAGODA_TUNING_INTERVAL_SECONDS": "2", "PAGODA_TUNING_WINDOW_SECONDS": "4"}
@@ -71,11 +80,14 @@ def prometheus(engines: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
     folder = tmp_path_factory.mktemp("prometheus")
     targets = ", ".join(f"'{url.removeprefix('http://')}'" for url in engines)
     config = folder / "prometheus.yml"
+    groups = "".join(
+        f"      - targets: [{targets}]\n"
+        f"        labels: {{namespace: {NAMESPACE}, llmdeployment: {name}}}\n"
+        for name in (NAME, GITOPS)
+    )
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: pagoda-engines\n    static_configs:\n"
-        f"      - targets: [{targets}]\n"
-        f"        labels: {{namespace: {NAMESPACE}, llmdeployment: {NAME}}}\n"
+        "scrape_configs:\n  - job_name: pagoda-engines\n    static_configs:\n" + groups
     )
     port = free_port()
     process = subprocess.Popen(
@@ -85,7 +97,7 @@ def prometheus(engines: list[str], tmp_path_factory: pytest.TempPathFactory) -> 
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: scraped_engines(url) == 2, timeout=60, what="both engines scraped")
+        wait_for(lambda: scraped_engines(url) == 4, timeout=DEADLINE_S, what="engines scraped")
         yield url
     finally:
         stop(process)
@@ -135,7 +147,7 @@ def cluster(load: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Em
                 os.environ[key] = value
 
 
-def tuned_llmd(name: str, prometheus_url: str, mode: str) -> dict[str, Any]:
+def tuned_llmd(name: str, prometheus_url: str, mode: str, **tuning: Any) -> dict[str, Any]:
     return {
         "apiVersion": "pagoda.dev/v1alpha1",
         "kind": "LLMDeployment",
@@ -150,6 +162,7 @@ def tuned_llmd(name: str, prometheus_url: str, mode: str) -> dict[str, Any]:
                 "pinned": ["replicas"],
                 "bounds": {"maxNumSeqs": {"min": 2, "max": 16}},
                 "slo": {"ttftP95Seconds": 0.5},
+                **tuning,
             },
             "prometheus": {"url": prometheus_url},
         },
@@ -165,16 +178,48 @@ def metrics_condition(cluster: EmulatedCluster, name: str) -> dict[str, Any]:
     return next((c for c in conditions if c["type"] == "MetricsAvailable"), {})
 
 
-def decision_with(cluster: EmulatedCluster, outcome: str) -> dict[str, Any] | None:
+def decision_with(cluster: EmulatedCluster, outcome: str, name: str = NAME) -> dict | None:
     return next(
-        (d for d in tuning(cluster).get("decisions") or [] if d["outcome"] == outcome), None
+        (d for d in tuning(cluster, name).get("decisions") or [] if d["outcome"] == outcome),
+        None,
     )
 
 
-def test_recommend_then_auto_from_real_metrics(cluster: EmulatedCluster, prometheus: str) -> None:
-    cluster.create(llmd_path(NAMESPACE), tuned_llmd(NAME, prometheus, "Recommend"))
+def deployed_max_num_seqs(cluster: EmulatedCluster, name: str) -> str | None:
+    deployment = cluster.get(deployment_path(NAMESPACE, name))
+    if deployment is None:
+        return None
+    return flag_value(engine_container(deployment)["args"], "--max-num-seqs")
+
+
+def user_max_num_seqs(cluster: EmulatedCluster, name: str) -> int:
+    return (cluster.get(llmd_path(NAMESPACE, name)) or {})["spec"]["engine"]["maxNumSeqs"]
+
+
+def deployment_updates(cluster: EmulatedCluster, name: str) -> list[str]:
+    return [m for m in events(cluster) if m.startswith(f"Updated: Updated Deployment {name}:")]
+
+
+def evaluations_after(cluster: EmulatedCluster, name: str, count: int) -> Any:
+    """Waits until the tuner has looked at ``name`` ``count`` more times."""
+    seen: list[str] = []
+
+    def looked() -> bool:
+        stamp = tuning(cluster, name).get("lastDecision", {}).get("time")
+        if stamp and (not seen or seen[-1] != stamp):
+            seen.append(stamp)
+        return len(seen) > count
+
+    return wait_for(looked, timeout=DEADLINE_S, interval=0.2, what=f"{count} tuner windows")
+
+
+def test_recommend_then_auto_then_revert_of_a_rollout_that_never_completes(
+    cluster: EmulatedCluster, prometheus: str
+) -> None:
+    manifest = tuned_llmd(NAME, prometheus, "Recommend", rolloutDeadlineSeconds=20)
+    cluster.create(llmd_path(NAMESPACE), manifest)
     recommended = wait_for(
-        lambda: decision_with(cluster, "recommended"), timeout=90, what="a recommendation"
+        lambda: decision_with(cluster, "recommended"), timeout=DEADLINE_S, what="a recommendation"
     )
     assert (recommended["knob"], recommended["from"], recommended["to"]) == ("maxNumSeqs", 4, 8)
     inputs = recommended["inputs"]
@@ -185,50 +230,148 @@ def test_recommend_then_auto_from_real_metrics(cluster: EmulatedCluster, prometh
     assert "every batch slot busy" in recommended["reason"]
     assert metrics_condition(cluster, NAME)["status"] == "True"
     assert tuning(cluster)["recommendation"]["to"] == 8
-    # Recommend never touches the spec or the Deployment.
-    deployment = cluster.get(deployment_path(NAMESPACE, NAME)) or {}
-    assert flag_value(engine_container(deployment)["args"], "--max-num-seqs") == "4"
-    assert any(m.startswith("TuningRecommendation: maxNumSeqs 4 -> 8") for m in events(cluster))
+    # Recommend never touches the Deployment.
+    assert deployed_max_num_seqs(cluster, NAME) == "4"
+    wait_for(
+        lambda: any(
+            m.startswith("TuningRecommendation: maxNumSeqs 4 -> 8") for m in events(cluster)
+        ),
+        timeout=DEADLINE_S,
+        what="the event",
+    )
 
     cluster.patch(llmd_path(NAMESPACE, NAME), {"spec": {"tuning": {"mode": "Auto"}}})
-    applied = wait_for(lambda: decision_with(cluster, "watching"), timeout=90, what="a change")
+    applied = wait_for(
+        lambda: decision_with(cluster, "watching"), timeout=DEADLINE_S, what="a change"
+    )
     assert (applied["knob"], applied["from"], applied["to"], applied["mode"]) == (
         "maxNumSeqs", 4, 8, "Auto",
     )  # fmt: skip
     assert applied["inputs"]["requestsWaiting"] > 0
     wait_for(
-        lambda: (
-            flag_value(
-                engine_container(cluster.get(deployment_path(NAMESPACE, NAME)) or {})["args"],
-                "--max-num-seqs",
-            )
-            == "8"
-        ),
+        lambda: deployed_max_num_seqs(cluster, NAME) == "8",
+        timeout=DEADLINE_S,
         what="the Deployment rolled to --max-num-seqs 8",
     )
-    assert any(m.startswith("TuningApplied: maxNumSeqs 4 -> 8") for m in events(cluster))
+    assert user_max_num_seqs(cluster, NAME) == 4  # the spec stays the user's
     wait_for(
-        lambda: any("--max-num-seqs 4 -> 8" in m for m in events(cluster)), what="Updated event"
+        lambda: any(m.startswith("TuningApplied: maxNumSeqs 4 -> 8") for m in events(cluster)),
+        timeout=DEADLINE_S,
+        what="the event",
     )
-    # The engines here are not pods the Deployment could restart: they still report 4
-    # slots, so the tuner waits for the rollout instead of judging the change.
+    # The engines here are not pods the Deployment could restart: they keep reporting 4
+    # slots, so the rollout never completes and the change is reverted at its deadline.
+    reverted = wait_for(
+        lambda: decision_with(cluster, "applied"), timeout=DEADLINE_S, what="the revert"
+    )
+    assert (reverted["action"], reverted["knob"], reverted["to"]) == ("revert", "maxNumSeqs", 4)
+    assert "rollout not complete" in reverted["reason"]
     wait_for(
-        lambda: "waiting for the rollout" in tuning(cluster)["lastDecision"]["reason"],
-        what="the tuner waiting for the rollout",
+        lambda: deployed_max_num_seqs(cluster, NAME) == "4",
+        timeout=DEADLINE_S,
+        what="the Deployment back at --max-num-seqs 4",
     )
+    status = tuning(cluster)
+    assert not status.get("overrides")
+    assert [(b["knob"], b["value"]) for b in status["banned"]] == [("maxNumSeqs", 8)]
+    wait_for(
+        lambda: any(
+            m.startswith("TuningReverted: maxNumSeqs 8 -> 4: reverted maxNumSeqs 4 -> 8: rollout")
+            for m in events(cluster)
+        ),
+        timeout=DEADLINE_S,
+        what="the TuningReverted event",
+    )
+    # 8 is banned: the tuner does not try it again, though the queue is still there.
+    evaluations_after(cluster, NAME, 3)
+    assert deployed_max_num_seqs(cluster, NAME) == "4"
+
+
+def test_gitops_reapply_keeps_the_override_and_a_user_change_resets_it(
+    cluster: EmulatedCluster, prometheus: str
+) -> None:
+    # A long cooldown and deadline: one change, watched for the whole test.
+    manifest = tuned_llmd(
+        GITOPS, prometheus, "Auto", cooldownSeconds=3600, rolloutDeadlineSeconds=3600
+    )
+    cluster.create(llmd_path(NAMESPACE), manifest)
+    wait_for(
+        lambda: deployed_max_num_seqs(cluster, GITOPS) == "8",
+        timeout=DEADLINE_S,
+        what="the tuner's maxNumSeqs 8 in the Deployment",
+    )
+    llmd = cluster.get(llmd_path(NAMESPACE, GITOPS)) or {}
+    assert llmd["spec"]["engine"]["maxNumSeqs"] == 4
+    assert llmd["status"]["tuning"]["overrides"]["maxNumSeqs"] == {"value": 8, "specValue": 4}
+    wait_for(
+        lambda: (
+            (llmd_status(cluster, NAMESPACE, GITOPS).get("effective") or {}).get("maxNumSeqs") == 8
+        ),
+        timeout=DEADLINE_S,
+        what="status.effective.maxNumSeqs 8 (the MaxSeqs printer column)",
+    )
+    updates = len(deployment_updates(cluster, GITOPS))
+
+    # `kubectl apply` of the user's manifest, as a GitOps controller does on every sync.
+    cluster.patch(llmd_path(NAMESPACE, GITOPS), {"spec": manifest["spec"]})
+    evaluations_after(cluster, GITOPS, 2)
+    assert deployed_max_num_seqs(cluster, GITOPS) == "8"
+    assert len(deployment_updates(cluster, GITOPS)) == updates  # no restart, no fight
+
+    # The user changes something else: the Deployment is rendered again, with the override.
+    edited = {**manifest["spec"], "env": [{"name": "TEAM", "value": "search"}]}
+    cluster.patch(llmd_path(NAMESPACE, GITOPS), {"spec": edited})
+    wait_for(
+        lambda: len(deployment_updates(cluster, GITOPS)) > updates,
+        timeout=DEADLINE_S,
+        what="the Deployment updated for the new env",
+    )
+    assert deployed_max_num_seqs(cluster, GITOPS) == "8"
+
+    # The user changes the knob itself: the user's value wins and the override goes.
+    cluster.patch(llmd_path(NAMESPACE, GITOPS), {"spec": {"engine": {"maxNumSeqs": 6}}})
+    wait_for(
+        lambda: deployed_max_num_seqs(cluster, GITOPS) == "6",
+        timeout=DEADLINE_S,
+        what="the user's maxNumSeqs 6 in the Deployment",
+    )
+    wait_for(
+        lambda: "maxNumSeqs" not in (tuning(cluster, GITOPS).get("overrides") or {}),
+        timeout=DEADLINE_S,
+        what="the override dropped from status",
+    )
+    wait_for(
+        lambda: any(m.startswith("TuningOverrideReset: maxNumSeqs") for m in events(cluster)),
+        timeout=DEADLINE_S,
+        what="the TuningOverrideReset event",
+    )
+    assert deployed_max_num_seqs(cluster, GITOPS) == "6"
 
 
 def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
     cluster: EmulatedCluster, prometheus: str
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    cluster.create(llmd_path(NAMESPACE), tuned_llmd("nowhere", dead, "Auto"))
+    # With a bearer token from a Secret, as a managed Prometheus needs: the tuner reads it.
+    cluster.create(
+        f"/api/v1/namespaces/{NAMESPACE}/secrets",
+        {"apiVersion": "v1", "kind": "Secret",
+         "metadata": {"name": "prometheus-token", "namespace": NAMESPACE},
+         "data": {"token": base64.b64encode(b"s3cret").decode()}},
+    )  # fmt: skip
+    nowhere = tuned_llmd("nowhere", dead, "Auto")
+    nowhere["spec"]["prometheus"]["bearerTokenSecretRef"] = {
+        "name": "prometheus-token",
+        "key": "token",
+    }
+    cluster.create(llmd_path(NAMESPACE), nowhere)
     cluster.create(llmd_path(NAMESPACE), tuned_llmd("unlabelled", prometheus, "Auto"))
     unreachable = wait_for(
         lambda: (
             metrics_condition(cluster, "nowhere").get("reason") == "Unreachable"
             and metrics_condition(cluster, "nowhere")
         ),
+        timeout=DEADLINE_S,
         what="MetricsAvailable=False for an unreachable Prometheus",
     )
     assert unreachable["status"] == "False"
@@ -238,6 +381,7 @@ def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
             metrics_condition(cluster, "unlabelled").get("reason") == "SeriesMissing"
             and metrics_condition(cluster, "unlabelled")
         ),
+        timeout=DEADLINE_S,
         what="MetricsAvailable=False for series that are not there",
     )
     assert 'llmdeployment="unlabelled"' in missing["message"]
@@ -245,13 +389,18 @@ def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
         assert tuning(cluster, name).get("decisions") in (None, [])
         spec = (cluster.get(llmd_path(NAMESPACE, name)) or {})["spec"]
         assert spec["engine"]["maxNumSeqs"] == 4
-    assert any(m.startswith("MetricsUnreachable") for m in events(cluster))
+    wait_for(
+        lambda: any(m.startswith("MetricsUnreachable") for m in events(cluster)),
+        timeout=DEADLINE_S,
+        what="the MetricsUnreachable event",
+    )
 
 
 def test_tuner_calls_stay_within_the_cluster_role(cluster: EmulatedCluster) -> None:
     granted = granted_permissions()
     used = used_permissions(cluster)
     assert used <= granted, sorted(used - granted)
+    assert ("", "secrets", "get") in used  # the bearer token of "nowhere"
 
 
 def events(cluster: EmulatedCluster) -> list[str]:

@@ -4,17 +4,24 @@ and one whole window of the runner against a recording client."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 from typing import Any
 
+from pagoda_operator.desired import desired_objects
+from pagoda_operator.kube import KubeError
+from pagoda_operator.overrides import effective_spec
 from pagoda_operator.spec import with_defaults
 from pagoda_operator.status import workload_status
 from pagoda_operator.tuning import runner
 from pagoda_operator.tuning.knobs import (
     current_settings,
     limits_from_spec,
+    overrides_in_force,
+    overrides_patch,
     rollout_complete,
-    spec_patch,
+    with_change,
 )
 from pagoda_operator.tuning.policy import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, REPLICAS
 from pagoda_operator.tuning.prometheus import (
@@ -61,10 +68,42 @@ def test_limits_follow_bounds_pins_autoscaling_and_slo() -> None:
     assert current_settings(spec()) == {REPLICAS: 2, MAX_NUM_SEQS: 64, GPU_MEMORY_UTILIZATION: 0.9}
 
 
-def test_spec_patch_sets_one_field() -> None:
-    assert spec_patch(REPLICAS, 3) == {"replicas": 3}
-    assert spec_patch(MAX_NUM_SEQS, 128.0) == {"engine": {"maxNumSeqs": 128}}
-    assert spec_patch(GPU_MEMORY_UTILIZATION, 0.92) == {"engine": {"gpuMemoryUtilization": 0.92}}
+def test_overrides_hold_until_the_user_changes_the_knob_pins_it_or_leaves_auto() -> None:
+    user = spec()
+    overrides = with_change(user, {}, MAX_NUM_SEQS, 128.0)
+    assert overrides == {MAX_NUM_SEQS: {"value": 128, "specValue": 64}}
+    overrides = with_change(user, overrides, REPLICAS, 3)
+    llmd = {"spec": user, "status": {"tuning": {"overrides": overrides}}}
+    assert effective_spec(llmd)["engine"]["maxNumSeqs"] == 128
+    assert effective_spec(llmd)["replicas"] == 3
+    assert user["engine"]["maxNumSeqs"] == 64  # the spec as written stays the user's
+    # Setting a knob back to the spec's value is no override at all.
+    assert MAX_NUM_SEQS not in with_change(user, overrides, MAX_NUM_SEQS, 64)
+    assert overrides_patch(overrides, {REPLICAS: overrides[REPLICAS]}) == {
+        MAX_NUM_SEQS: None, REPLICAS: overrides[REPLICAS],
+    }  # fmt: skip
+
+    changed = {**llmd, "spec": {**user, "engine": {**user["engine"], "maxNumSeqs": 32}}}
+    kept, dropped = overrides_in_force(with_defaults(changed["spec"]), changed)
+    assert set(kept) == {REPLICAS} and "spec changed maxNumSeqs to 32" in dropped[MAX_NUM_SEQS]
+    assert effective_spec(changed)["engine"]["maxNumSeqs"] == 32
+    pinned = {**llmd, "spec": spec(pinned=["replicas"])}
+    assert effective_spec(pinned)["replicas"] == 2
+    recommend = {**llmd, "spec": spec(mode="Recommend")}
+    assert effective_spec(recommend)["engine"]["maxNumSeqs"] == 64
+
+
+def test_the_deployment_and_status_show_the_effective_values() -> None:
+    llmd = {
+        "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": spec(),
+        "status": {"tuning": {"overrides": with_change(spec(), {}, MAX_NUM_SEQS, 128)}},
+    }
+    deployment = desired_objects(llmd, service_monitor_api=False)[0]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "128"
+    effective = workload_status(llmd, deployment, "2025-01-01T00:00:00Z")["effective"]
+    assert effective == {"replicas": 2, "maxNumSeqs": 128, "gpuMemoryUtilization": 0.9}
 
 
 def test_rollout_is_complete_when_every_engine_runs_the_spec() -> None:
@@ -133,51 +172,90 @@ def test_workload_status_keeps_the_tuner_condition() -> None:
     assert [c["type"] for c in status["conditions"]][:3] == ["Available", "Progressing", "Degraded"]
 
 
-class RecordingClient:
-    def __init__(self) -> None:
+class FakeApi:
+    """The LLMDeployment's API: GET and conditional status writes, recorded. ``interleave``
+    runs once, between the tuner's read and its first write, as another writer would."""
+
+    def __init__(self, llmd: dict[str, Any], interleave: Any = None) -> None:
+        self.llmd = {**llmd, "metadata": {**llmd["metadata"], "resourceVersion": "1"}}
         self.calls: list[tuple[str, str, Any]] = []
+        self.interleave = interleave
 
-    async def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        self.calls.append((method, path, kwargs.get("body")))
-        return {}
+    async def get(self, path: str) -> dict[str, Any]:
+        self.calls.append(("GET", path, None))
+        return copy.deepcopy(self.llmd)
 
-    async def patch_status(self, path: str, status: dict[str, Any]) -> dict[str, Any]:
+    async def patch_status(
+        self, path: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any]:
+        if self.interleave is not None:
+            self.interleave(self.llmd)
+            self.interleave = None
+            self.llmd["metadata"]["resourceVersion"] += "1"
         self.calls.append(("PATCH", path + "/status", status))
-        return {}
+        if resource_version != self.llmd["metadata"]["resourceVersion"]:
+            raise KubeError(409, "PATCH", path, "the object has been modified")
+        self.llmd["status"] = merge_patch(self.llmd.get("status") or {}, status)
+        self.llmd["metadata"]["resourceVersion"] += "1"
+        return copy.deepcopy(self.llmd)
 
 
-def run_window(mode: str, observation: Observation, status: dict[str, Any] | None = None):
+def merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict) or not isinstance(target, dict):
+        return patch
+    result = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(target.get(key), value)
+    return result
+
+
+def run_window(
+    mode: str,
+    observation: Observation,
+    status: dict[str, Any] | None = None,
+    interleave: Any = None,
+    **tuning: Any,
+):
     llmd = {
         "metadata": {"name": "m", "namespace": "ns"},
-        "spec": {**spec(mode=mode), "replicas": 2},
+        "spec": {**spec(mode=mode, **tuning), "replicas": 2},
         "status": status or {},
     }
-    client, events = RecordingClient(), []
+    api, events, applied = FakeApi(llmd, interleave), [], []
 
-    async def observe(url: str, namespace: str, name: str, window_s: float) -> Observation:
-        assert (url, namespace, name) == ("http://prometheus:9090", "ns", "m")
+    async def observe(endpoint: Any, namespace: str, name: str, window_s: float) -> Observation:
+        assert (endpoint.url, namespace, name) == ("http://prometheus:9090", "ns", "m")
         return observation
 
-    tuning = asyncio.run(
+    async def apply_owned(llmd: dict[str, Any]) -> None:
+        applied.append(effective_spec(llmd))
+
+    tuning_status = asyncio.run(
         runner.tune(
-            client,  # type: ignore[arg-type]
+            api,  # type: ignore[arg-type]
             llmd,
             emit=lambda *event: events.append(event),
             logger=logging.getLogger("test"),
             window_s=60,
+            apply_owned=apply_owned,
             observe_fn=observe,
         )
     )
-    return tuning, client.calls, events
+    return tuning_status, api, events, applied
+
+
+STATUS_PATH = "/apis/pagoda.dev/v1alpha1/namespaces/ns/llmdeployments/m/status"
 
 
 def test_runner_recommends_without_touching_the_spec() -> None:
     observation = Observation(QUEUED_WITH_FREE_KV)
-    tuning, calls, _ = run_window("Recommend", observation)
-    tuning, calls, events = run_window("Recommend", observation, {"tuning": tuning})
-    assert [c[1] for c in calls] == [
-        "/apis/pagoda.dev/v1alpha1/namespaces/ns/llmdeployments/m/status"
-    ]
+    tuning, _, _, _ = run_window("Recommend", observation)
+    tuning, api, events, applied = run_window("Recommend", observation, {"tuning": tuning})
+    assert [c[:2] for c in api.calls][1:] == [("PATCH", STATUS_PATH)]
+    assert applied == [] and api.llmd["spec"]["engine"]["maxNumSeqs"] == 64
     assert tuning["recommendation"]["knob"] == MAX_NUM_SEQS
     entry = tuning["decisions"][-1]
     assert entry["outcome"] == "recommended" and entry["inputs"]["requestsWaiting"] == 40
@@ -185,30 +263,116 @@ def test_runner_recommends_without_touching_the_spec() -> None:
         ("Normal", "TuningRecommendation", entry["knob"] + " 64 -> 128: " + entry["reason"])
     ]
     # The same proposal next window: no second entry, no second Event.
-    again, _, events = run_window("Recommend", observation, {"tuning": tuning})
+    again, _, events, _ = run_window("Recommend", observation, {"tuning": tuning})
     assert len(again["decisions"]) == 1 and events == []
 
 
-def test_runner_applies_in_auto_mode() -> None:
+def test_runner_applies_in_auto_mode_as_an_override_not_in_the_spec() -> None:
     observation = Observation(QUEUED_WITH_FREE_KV)
-    tuning, _, _ = run_window("Auto", observation)
-    tuning, calls, events = run_window("Auto", observation, {"tuning": tuning})
-    assert calls[0] == (
-        "PATCH", "/apis/pagoda.dev/v1alpha1/namespaces/ns/llmdeployments/m",
-        {"spec": {"engine": {"maxNumSeqs": 128}}},
-    )  # fmt: skip
+    tuning, _, _, _ = run_window("Auto", observation)
+    tuning, api, events, applied = run_window("Auto", observation, {"tuning": tuning})
+    assert api.llmd["spec"]["engine"]["maxNumSeqs"] == 64  # the user's, untouched
+    assert api.llmd["status"]["tuning"]["overrides"] == {
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    }
+    assert [s["engine"]["maxNumSeqs"] for s in applied] == [128]  # the Deployment follows
     assert tuning["decisions"][-1]["outcome"] == "watching"
     assert tuning["state"]["pending"]["to"] == 128
     assert events[0][1] == "TuningApplied"
+
+
+def test_a_conflicting_write_is_decided_again_from_a_fresh_read() -> None:
+    """Another write lands between the tuner's read and its write (here: the tuner's own
+    previous window, recording the change it is watching). The write from the stale read is
+    refused, and the window is decided again from the fresh state: the pending change and
+    its cooldown survive, and nothing is applied twice."""
+    observation = Observation(QUEUED_WITH_FREE_KV)
+    first, _, _, _ = run_window("Auto", observation)
+    watching, api, _, _ = run_window("Auto", observation, {"tuning": first})
+    assert watching["state"]["pending"] is not None
+
+    def lands_meanwhile(llmd: dict[str, Any]) -> None:
+        llmd["status"] = copy.deepcopy(api.llmd["status"])
+
+    tuning, stale_api, events, applied = run_window(
+        "Auto", observation, {"tuning": first}, interleave=lands_meanwhile
+    )
+    assert [c[0] for c in stale_api.calls] == ["GET", "PATCH", "GET", "PATCH"]
+    assert stale_api.llmd["status"]["tuning"]["state"]["pending"]["to"] == 128
+    assert "waiting for the rollout of maxNumSeqs 64 -> 128" in tuning["lastDecision"]["reason"]
+    assert applied == [] and [e for e in events if e[1] == "TuningApplied"] == []
+
+
+def test_a_rollout_that_does_not_complete_in_time_is_reverted_and_banned() -> None:
+    observation = Observation(QUEUED_WITH_FREE_KV)  # no engine ever reports the new value
+    first, _, _, _ = run_window("Auto", observation, rolloutDeadlineSeconds=30)
+    watching, api, _, _ = run_window(
+        "Auto", observation, {"tuning": first}, rolloutDeadlineSeconds=30
+    )
+    status = copy.deepcopy(api.llmd["status"])
+    status["tuning"]["state"]["pending"]["time"] -= 31
+    tuning, api, events, applied = run_window(
+        "Auto", observation, status, rolloutDeadlineSeconds=30
+    )
+    assert tuning["lastDecision"]["action"] == "revert"
+    assert "rollout not complete" in tuning["lastDecision"]["reason"]
+    assert not api.llmd["status"]["tuning"].get("overrides")  # back to the spec's 64
+    assert [s["engine"]["maxNumSeqs"] for s in applied] == [64]
+    assert tuning["banned"][0]["knob"] == MAX_NUM_SEQS and tuning["banned"][0]["value"] == 128
+    assert ("Warning", "TuningReverted") in [e[:2] for e in events]
+
+
+def test_engines_restarting_during_the_rollout_revert_it_at_once() -> None:
+    observation = Observation(QUEUED_WITH_FREE_KV)
+    first, _, _, _ = run_window("Auto", observation)
+    _, api, _, _ = run_window("Auto", observation, {"tuning": first})
+    crashing = Observation(dataclasses.replace(QUEUED_WITH_FREE_KV, restarts=2.0, oom_kills=0.0))
+    tuning, api, events, _ = run_window("Auto", crashing, copy.deepcopy(api.llmd["status"]))
+    assert tuning["lastDecision"]["action"] == "revert"
+    assert "2 engine restarts while it rolled out" in tuning["lastDecision"]["reason"]
+
+
+def test_a_user_change_to_a_knob_resets_the_override_and_the_change_under_watch() -> None:
+    observation = Observation(QUEUED_WITH_FREE_KV)
+    first, _, _, _ = run_window("Auto", observation)
+    _, api, _, _ = run_window("Auto", observation, {"tuning": first})
+    llmd = copy.deepcopy(api.llmd)
+    llmd["spec"]["engine"]["maxNumSeqs"] = 32
+    fresh = FakeApi(llmd)
+    events: list[Any] = []
+    applied: list[Any] = []
+
+    async def observe(*_: Any) -> Observation:
+        return observation
+
+    async def apply_owned(llmd: dict[str, Any]) -> None:
+        applied.append(effective_spec(llmd))
+
+    asyncio.run(
+        runner.tune(
+            fresh,  # type: ignore[arg-type]
+            llmd,
+            emit=lambda *event: events.append(event),
+            logger=logging.getLogger("test"),
+            window_s=60,
+            apply_owned=apply_owned,
+            observe_fn=observe,
+        )
+    )
+    tuning = fresh.llmd["status"]["tuning"]
+    assert MAX_NUM_SEQS not in (tuning.get("overrides") or {})
+    assert tuning["state"].get("pending") is None
+    assert [s["engine"]["maxNumSeqs"] for s in applied] == [32]
+    assert events[0][1] == "TuningOverrideReset"
 
 
 def test_runner_holds_and_says_so_when_prometheus_is_unreachable() -> None:
     observation = Observation(
         None, "Prometheus at http://prometheus:9090 unreachable", "Unreachable"
     )
-    tuning, calls, events = run_window("Auto", observation)
-    assert len(calls) == 1  # the status only
-    status = calls[0][2]
+    tuning, api, events, _ = run_window("Auto", observation)
+    assert [c[0] for c in api.calls] == ["GET", "PATCH"]  # the status only
+    status = api.calls[-1][2]
     condition = next(c for c in status["conditions"] if c["type"] == METRICS_AVAILABLE)
     assert (condition["status"], condition["reason"]) == ("False", "Unreachable")
     assert tuning["lastDecision"]["action"] == "hold"

@@ -1,4 +1,11 @@
-"""Judging an applied change on the first full window after its rollout: keep or revert."""
+"""Watching an applied change: revert it when its rollout fails, else judge it on the first
+full window after its rollout: keep or revert.
+
+A rollout fails when the engines restart while it runs (a CUDA out-of-memory error at start-up
+is a process exit, so a crash loop, not an ``OOMKilled``), or when it has not completed within
+``Limits.rollout_deadline_s`` of the change (a pod that cannot be scheduled, a model load that
+never ends). Either way the value goes back and is banned like any reverted one.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from pagoda_operator.tuning.model import (
 
 
 def watch_pending(
-    snapshot: Snapshot,
+    snapshot: Snapshot | None,
     limits: Limits,
     state: dict[str, Any],
     now: float,
@@ -25,28 +32,52 @@ def watch_pending(
     config: PolicyConfig,
 ) -> Decision | str:
     """A hold while the change is still rolling out or settling; otherwise its verdict
-    (a revert Decision when it made things worse, a "kept" string when not)."""
+    (a revert Decision when its rollout failed or it made things worse, a "kept" string
+    when not). Without a snapshot only the rollout deadline can be judged."""
     pending = state["pending"]
     change = f"{pending['knob']} {fmt(pending['from'])} -> {fmt(pending['to'])}"
-    if not rollout_complete:
+    if not rollout_complete or snapshot is None:
         pending["settledTime"] = None
+        failure = _rollout_failure(pending, snapshot, limits, now)
+        if failure is not None:
+            return revert(state, f"reverted {change}: {failure}", now, limits, config)
         return Decision("hold", f"waiting for the rollout of {change}")
     if pending["settledTime"] is None:
         pending["settledTime"] = now
     if now - pending["settledTime"] < snapshot.window_s:
         return Decision("hold", f"watching the first full window after {change}")
-    state["pending"] = None
     worse = _made_worse(pending, snapshot, limits, config)
     if worse is None:
+        state["pending"] = None
         return f"kept {change}: {_outcome_summary(pending['baseline'], snapshot)}"
+    return revert(state, f"reverted {change}: {worse}", now, limits, config)
+
+
+def revert(
+    state: dict[str, Any], reason: str, now: float, limits: Limits, config: PolicyConfig
+) -> Decision:
+    """Undoes the pending change and bans its value for ``reject_cooldowns`` cooldowns."""
+    pending, state["pending"] = state["pending"], None
     knob, old, new = pending["knob"], pending["to"], pending["from"]
-    reason = f"reverted {change}: {worse}"
     state["rejected"].append(
         {"knob": knob, "value": old, "direction": direction(new, old),
          "until": now + config.reject_cooldowns * limits.cooldown_s}
     )  # fmt: skip
     record_move(state, knob, old, new, now)
     return Decision("revert", reason, knob, old, new, verdict=reason)
+
+
+def _rollout_failure(
+    pending: dict[str, Any], snapshot: Snapshot | None, limits: Limits, now: float
+) -> str | None:
+    """Why the rollout of the pending change has failed, or None while it may still finish."""
+    restarts = None if snapshot is None else snapshot.restarts
+    if restarts:
+        return f"{fmt(restarts)} engine restarts while it rolled out"
+    elapsed = now - pending["time"]
+    if elapsed > limits.rollout_deadline_s:
+        return f"rollout not complete {elapsed:.0f}s after the change (deadline {limits.rollout_deadline_s:g}s)"
+    return None
 
 
 def _made_worse(
@@ -67,6 +98,8 @@ def _made_worse(
         return None
     if (snapshot.oom_kills or 0) > 0:
         return f"{fmt(snapshot.oom_kills)} OOM kills after raising it"
+    if (snapshot.restarts or 0) > 0:
+        return f"{fmt(snapshot.restarts)} engine restarts after raising it"
     before_preempt = baseline.get("preemptionsPerSecond") or 0.0
     preempt_floor = config.preemptions_per_pod_s * max(snapshot.pods, 1)
     if (

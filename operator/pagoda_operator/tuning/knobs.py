@@ -1,13 +1,21 @@
-"""From a defaulted LLMDeployment spec to the tuner's view of it, and back.
+"""From an LLMDeployment to the tuner's view of it, and back.
 
-Which knobs the tuner may move, in which range, the SLO it aims for, the values running now,
-and the spec patch that applies one change.
+Which knobs the tuner may move, in which range, the SLO it aims for, the values running now
+(the spec with the overrides in force), and the overrides after one change: the tuner's
+changes live in ``status.tuning.overrides``, never in the spec (see ``overrides``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pagoda_operator.overrides import (
+    recorded_overrides,
+    settings_of,
+    spec_value,
+    typed,
+    why_inactive,
+)
 from pagoda_operator.tuning.policy import (
     GPU_MEMORY_UTILIZATION,
     KNOBS,
@@ -23,15 +31,14 @@ DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {
     GPU_MEMORY_UTILIZATION: (0.5, 0.95),
 }
 DEFAULT_TTFT_P95_SECONDS = 1.0
+# Beyond the model load the spec allows: scheduling, the image (already on the node for a
+# knob change) and a window or two of metrics.
+ROLLOUT_DEADLINE_MARGIN_SECONDS = 300
 
 
-def current_settings(spec: dict[str, Any]) -> dict[str, float]:
-    engine = spec["engine"]
-    return {
-        REPLICAS: int(spec["replicas"]),
-        MAX_NUM_SEQS: int(engine["maxNumSeqs"]),
-        GPU_MEMORY_UTILIZATION: float(engine["gpuMemoryUtilization"]),
-    }
+def current_settings(effective_spec: dict[str, Any]) -> dict[str, float]:
+    """The values the engines should run: the spec with the overrides in force."""
+    return settings_of(effective_spec)
 
 
 def limits_from_spec(spec: dict[str, Any]) -> Limits:
@@ -64,18 +71,45 @@ def limits_from_spec(spec: dict[str, Any]) -> Limits:
         ttft_target_s=float(slo.get("ttftP95Seconds", DEFAULT_TTFT_P95_SECONDS)),
         itl_target_s=slo.get("itlP95Seconds"),
         max_num_batched_tokens=spec["engine"].get("maxNumBatchedTokens"),
+        rollout_deadline_s=float(
+            tuning.get("rolloutDeadlineSeconds")
+            or int(spec["startupTimeoutSeconds"]) + ROLLOUT_DEADLINE_MARGIN_SECONDS
+        ),
     )
 
 
-def spec_patch(knob: str, value: float) -> dict[str, Any]:
-    """The merge patch of spec that sets one knob."""
-    if knob == REPLICAS:
-        return {"replicas": int(value)}
-    if knob == MAX_NUM_SEQS:
-        return {"engine": {"maxNumSeqs": int(value)}}
-    if knob == GPU_MEMORY_UTILIZATION:
-        return {"engine": {"gpuMemoryUtilization": float(value)}}
-    raise ValueError(f"not a tunable knob: {knob}")
+def overrides_in_force(
+    spec: dict[str, Any], llmd: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The recorded overrides that still hold for this defaulted spec, and why each of the
+    others was dropped (knob -> reason)."""
+    kept, dropped = {}, {}
+    for knob, override in recorded_overrides(llmd).items():
+        reason = why_inactive(spec, knob, override)
+        if reason is None:
+            kept[knob] = override
+        else:
+            dropped[knob] = reason
+    return kept, dropped
+
+
+def with_change(
+    spec: dict[str, Any], overrides: dict[str, dict[str, Any]], knob: str, value: float
+) -> dict[str, dict[str, Any]]:
+    """The overrides after the tuner sets ``knob`` to ``value``; a value equal to the spec's
+    is no override at all."""
+    result = {name: dict(entry) for name, entry in overrides.items() if name != knob}
+    user_value = spec_value(spec, knob)
+    if abs(float(value) - user_value) > 1e-9:
+        result[knob] = {"value": typed(knob, value), "specValue": user_value}
+    return result
+
+
+def overrides_patch(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The merge patch of ``status.tuning.overrides`` from ``before`` to ``after``."""
+    return {**{knob: None for knob in before if knob not in after}, **after}
 
 
 def rollout_complete(

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-REPLICAS = "replicas"
-MAX_NUM_SEQS = "maxNumSeqs"
-GPU_MEMORY_UTILIZATION = "gpuMemoryUtilization"
-KNOBS = (REPLICAS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION)
+from pagoda_operator.overrides import (  # noqa: F401  (re-exported: the knobs' names)
+    GPU_MEMORY_UTILIZATION,
+    KNOBS,
+    MAX_NUM_SEQS,
+    REPLICAS,
+)
 
 Action = Literal["hold", "change", "revert"]
 
@@ -71,6 +73,8 @@ class Limits:
     ttft_target_s: float
     itl_target_s: float | None = None
     max_num_batched_tokens: int | None = None  # maxNumSeqs may not exceed it
+    # A change whose rollout has not completed this long after it was made is reverted.
+    rollout_deadline_s: float = 2100.0
 
 
 @dataclass(frozen=True)

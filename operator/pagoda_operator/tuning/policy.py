@@ -81,6 +81,11 @@ def decide(
     """
     state = _normalized(state)
     if snapshot is None:
+        if mode == "Auto" and state["pending"] is not None:
+            # Engines that crash at start-up report nothing: the deadline still runs.
+            outcome = watch_pending(None, limits, state, now, rollout_complete, config)
+            if isinstance(outcome, Decision) and outcome.action == "revert":
+                return outcome, state
         return Decision("hold", f"holding steady: {problem or 'no metrics'}"), state
     if rollout_complete and (mode != "Auto" or _unchanging(state["pending"], snapshot, now)):
         # Only a window in which every engine served throughout says what one can do: none

@@ -9,21 +9,22 @@ series with ``namespace``, ``pod`` and ``container``; an engine's pods are found
 themselves are cut to 58 characters before their random suffix, so a long name cannot be
 matched by a pattern over the pod's name.
 
-Every name reaches PromQL through ``promql_string`` (and a regular expression first through
-``re.escape``): a PromQL string follows Go's escapes, in which ``\\-`` or ``\\.`` unescaped is
-a parse error, and a Kubernetes name is full of ``-``.
+Names are quoted by ``promql``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from pagoda_operator.promql import engine_selector, promql_string
 from pagoda_operator.tuning.policy import Snapshot
 
 QUERY_TIMEOUT_SECONDS = 10
@@ -47,16 +48,6 @@ REQUIRED = (
 )
 # kube-state-metrics series: clusters without it get no restart / OOM signal.
 OPTIONAL = ("restarts", "oom_kills")
-
-
-def promql_string(value: str) -> str:
-    """``value`` as a double-quoted PromQL string literal."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
-
-
-def engine_selector(namespace: str, name: str) -> str:
-    return f"namespace={promql_string(namespace)},llmdeployment={promql_string(name)}"
 
 
 def owner_selector(namespace: str, name: str) -> str:
@@ -177,34 +168,71 @@ def snapshot_from_results(
     return snapshot, ""
 
 
+@dataclass(frozen=True)
+class PrometheusEndpoint:
+    """Where the tuner asks, and how it proves who it is: a bearer token and a CA bundle
+    (PEM) for managed Prometheus services and authenticating proxies."""
+
+    url: str
+    bearer_token: str | None = None
+    ca_pem: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.bearer_token}"} if self.bearer_token else {}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The CA bundle to trust, else the system's (None)."""
+        return ssl.create_default_context(cadata=self.ca_pem) if self.ca_pem else None
+
+
 class PrometheusError(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def instant_query(session: aiohttp.ClientSession, base_url: str, promql: str) -> list[dict]:
     url = base_url.rstrip("/") + "/api/v1/query"
     try:
         async with session.get(url, params={"query": promql}) as response:
-            body = await response.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+            text = await response.text()
+    except (TimeoutError, aiohttp.ClientError) as error:
         raise PrometheusError(f"{type(error).__name__}: {error}") from error
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = {"error": text[:200]}
     if response.status >= 400 or body.get("status") != "success":
-        raise PrometheusError(f"HTTP {response.status}: {body.get('error') or body}")
+        message = f"HTTP {response.status}: {body.get('error') or body}"
+        raise PrometheusError(message, response.status)
     return list(body["data"]["result"])
 
 
-async def observe(base_url: str, namespace: str, name: str, window_s: float) -> Observation:
+async def observe(
+    endpoint: PrometheusEndpoint, namespace: str, name: str, window_s: float
+) -> Observation:
     """One window of metrics for one LLMDeployment; never raises for Prometheus trouble."""
     queries = snapshot_queries(namespace, name, window_s)
     queries["live"] = live_settings_query(namespace, name)
     timeout = aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(ssl=endpoint.ssl_context() or True)
+    except (ssl.SSLError, ValueError) as error:
+        problem = f"the CA bundle for {endpoint.url} is not a valid PEM bundle: {error}"
+        return Observation(None, problem, "CredentialsInvalid")
+    try:
+        async with aiohttp.ClientSession(
+            timeout=timeout, headers=endpoint.headers(), connector=connector
+        ) as session:
             answers = await asyncio.gather(
-                *(instant_query(session, base_url, promql) for promql in queries.values())
+                *(instant_query(session, endpoint.url, promql) for promql in queries.values())
             )
     except PrometheusError as error:
-        return Observation(None, f"Prometheus at {base_url} unreachable: {error}", "Unreachable")
+        if error.status in (401, 403):
+            problem = f"Prometheus at {endpoint.url} refused the credentials: {error}"
+            return Observation(None, problem, "Unauthorized")
+        problem = f"Prometheus at {endpoint.url} unreachable: {error}"
+        return Observation(None, problem, "Unreachable")
     results = dict(zip(queries, answers))
     live = [dict(item["metric"]) for item in results.pop("live")]
     snapshot, missing = snapshot_from_results(results, window_s)

@@ -1,37 +1,53 @@
-"""One tuner window for one LLMDeployment: observe, decide, apply (Auto), record.
+"""One tuner window for one LLMDeployment: observe, decide, record, apply (Auto).
 
 The only tuning module that does I/O; every decision comes from ``policy`` and every status
-field from ``record``.
+field from ``record``. A change is an override in ``status.tuning.overrides`` (the spec stays
+the user's); the reconciler renders the Deployment from both.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from pagoda_operator.kube import MERGE_PATCH_CONTENT_TYPE, KubeClient
+from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.overrides import effective_spec, recorded_overrides
 from pagoda_operator.reconcile import EmitEvent, llmd_path
 from pagoda_operator.spec import validate_spec, with_defaults
 from pagoda_operator.status import set_condition
 from pagoda_operator.tuning.knobs import (
     current_settings,
     limits_from_spec,
+    overrides_in_force,
+    overrides_patch,
     rollout_complete,
-    spec_patch,
+    with_change,
 )
-from pagoda_operator.tuning.policy import decide
-from pagoda_operator.tuning.prometheus import Observation, observe
-from pagoda_operator.tuning.record import condition_events, metrics_condition, tuning_status
+from pagoda_operator.tuning.policy import Decision, decide
+from pagoda_operator.tuning.prometheus import Observation, PrometheusEndpoint, observe
+from pagoda_operator.tuning.record import (
+    Event,
+    condition_events,
+    metrics_condition,
+    tuning_status,
+)
 
 INTERVAL_ENV = "PAGODA_TUNING_INTERVAL_SECONDS"
 WINDOW_ENV = "PAGODA_TUNING_WINDOW_SECONDS"
 DEFAULT_INTERVAL_SECONDS = 60.0
 
-Observe = Callable[[str, str, str, float], Awaitable[Observation]]
+# Tries at writing one window's status before giving the window up.
+WRITE_ATTEMPTS = 5
+
+Observe = Callable[[PrometheusEndpoint, str, str, float], Awaitable[Observation]]
+# Applies the owned objects of an LLMDeployment as read (the reconciler).
+ApplyOwned = Callable[[dict[str, Any]], Awaitable[Any]]
 
 
 def interval_seconds() -> float:
@@ -56,40 +72,86 @@ async def tune(
     emit: EmitEvent,
     logger: logging.Logger,
     window_s: float,
+    apply_owned: ApplyOwned,
     observe_fn: Observe = observe,
     clock: Callable[[], float] = time.time,
 ) -> dict[str, Any] | None:
-    """Runs one window; returns the ``status.tuning`` it wrote (None when tuning is off)."""
-    spec = with_defaults(llmd.get("spec") or {})
-    mode = spec["tuning"]["mode"]
-    if mode == "Off" or validate_spec(spec):
-        return None  # an invalid spec is reconcile's to report
-    meta, status = llmd["metadata"], llmd.get("status") or {}
-    settings, limits = current_settings(spec), limits_from_spec(spec)
-    previous = status.get("tuning") or {}
-    observation = await observe_fn(
-        spec["prometheus"]["url"], meta["namespace"], meta["name"], window_s
-    )
+    """Runs one window; returns the ``status.tuning`` it wrote (None when tuning is off).
+
+    The tuner's state and overrides live in the status, and the window starts from a fresh
+    read of it: the body kopf hands the timer may predate this tuner's own last write. The
+    write is conditional on the resourceVersion read; on a conflict the window is decided
+    again (on the same metrics) from a new read, so no write ever rests on a stale state.
+    """
+    path = llmd_path(llmd)
+    fresh = await client.get(path)
+    if fresh is None or _tuning_off(fresh):
+        return None  # gone, off, or an invalid spec (reconcile's to report)
+    meta, spec = fresh["metadata"], with_defaults(fresh.get("spec") or {})
+    try:
+        endpoint = await prometheus_endpoint(client, meta["namespace"], spec["prometheus"])
+        observation = await observe_fn(endpoint, meta["namespace"], meta["name"], window_s)
+    except CredentialsError as error:
+        observation = Observation(None, str(error), "CredentialsMissing")
     now = clock()
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        window = decide_window(fresh, observation, now)
+        logger.info("Tuner %s: %s", window.decision.action, window.decision.reason)
+        try:
+            written = await client.patch_status(
+                path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
+            )
+            break
+        except KubeError as error:
+            if error.status != 409 or attempt == WRITE_ATTEMPTS:
+                raise
+            logger.info("Tuner status write conflicted (attempt %d); reading again", attempt)
+            fresh = await client.get(path)
+            if fresh is None or _tuning_off(fresh):
+                return None
+    if window.overrides_changed:
+        # The Deployment is rendered from the spec and the overrides just written.
+        await apply_owned(written or fresh)
+    for event in window.events:
+        emit(*event)
+    return window.status["tuning"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window's outcome: the status patch to write, and what follows from it."""
+
+    decision: Decision
+    status: dict[str, Any]
+    events: list[Event]
+    overrides_changed: bool
+
+
+def decide_window(llmd: dict[str, Any], observation: Observation, now: float) -> Window:
+    """Pure: the LLMDeployment as read and one window's metrics in, the status patch out."""
+    spec = with_defaults(llmd.get("spec") or {})
+    mode, status = spec["tuning"]["mode"], llmd.get("status") or {}
+    previous = status.get("tuning") or {}
+    recorded = recorded_overrides(llmd)
+    overrides, dropped = overrides_in_force(spec, llmd)
+    state = previous.get("state")
+    pending = (state or {}).get("pending")
+    if pending and pending.get("knob") in dropped:
+        state = {**state, "pending": None}  # the user's value replaced the change under watch
+    settings, limits = current_settings(effective_spec(llmd)), limits_from_spec(spec)
     decision, state = decide(
         observation.snapshot,
         settings,
         limits,
-        previous.get("state"),
+        state,
         now=now,
         mode=mode,
         rollout_complete=rollout_complete(status, settings, observation.live),
         problem=observation.problem,
     )
-    logger.info("Tuner %s: %s", decision.action, decision.reason)
     if mode == "Auto" and decision.action in ("change", "revert"):
         assert decision.knob is not None and decision.new is not None
-        await client.request(
-            "PATCH",
-            llmd_path(llmd),
-            body={"spec": spec_patch(decision.knob, decision.new)},
-            content_type=MERGE_PATCH_CONTENT_TYPE,
-        )
+        overrides = with_change(spec, overrides, decision.knob, decision.new)
     stamp = _rfc3339(now)
     tuning, events = tuning_status(
         previous,
@@ -101,13 +163,68 @@ async def tune(
         settings=settings,
         fixed=limits.fixed,
     )
+    tuning["overrides"] = overrides_patch(recorded, overrides) or None
+    tuning["banned"] = [
+        {"knob": ban["knob"], "value": ban["value"], "until": _rfc3339(ban["until"])}
+        for ban in state["rejected"]
+    ] or None
+    events = [
+        ("Normal", "TuningOverrideReset", f"{knob}: {why}; the tuner's "
+         f"{recorded[knob]['value']:g} no longer applies") for knob, why in dropped.items()
+    ] + events  # fmt: skip
     condition = metrics_condition(observation.snapshot, observation.reason, observation.problem)
     events += condition_events(status.get("conditions") or [], condition)
     conditions = set_condition(status.get("conditions"), condition, stamp)
-    await client.patch_status(llmd_path(llmd), {"tuning": tuning, "conditions": conditions})
-    for event in events:
-        emit(*event)
-    return tuning
+    return Window(
+        decision,
+        {"tuning": tuning, "conditions": conditions},
+        events,
+        overrides_changed=overrides != recorded,
+    )
+
+
+class CredentialsError(Exception):
+    """A Secret that ``spec.prometheus`` names is missing, or lacks the key."""
+
+
+async def prometheus_endpoint(
+    client: KubeClient, namespace: str, prometheus: dict[str, Any]
+) -> PrometheusEndpoint:
+    """``spec.prometheus`` with the bearer token and CA bundle read from their Secrets."""
+    values = {}
+    for field in ("bearerTokenSecretRef", "caSecretRef"):
+        ref = prometheus.get(field)
+        if ref:
+            values[field] = await _secret_value(client, namespace, field, ref)
+    return PrometheusEndpoint(
+        prometheus["url"],
+        bearer_token=(values.get("bearerTokenSecretRef") or "").strip() or None,
+        ca_pem=values.get("caSecretRef"),
+    )
+
+
+async def _secret_value(
+    client: KubeClient, namespace: str, field: str, ref: dict[str, str]
+) -> str:
+    where = f"spec.prometheus.{field}: Secret {namespace}/{ref['name']}"
+    try:
+        secret = await client.get(f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}")
+    except KubeError as error:
+        raise CredentialsError(f"{where}: {error.message}") from error
+    if secret is None:
+        raise CredentialsError(f"{where} not found")
+    encoded = (secret.get("data") or {}).get(ref["key"])
+    if encoded is None:
+        raise CredentialsError(f"{where} has no key {ref['key']!r}")
+    try:
+        return base64.b64decode(encoded).decode()
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CredentialsError(f"{where}, key {ref['key']!r}: not text ({error})") from error
+
+
+def _tuning_off(llmd: dict[str, Any]) -> bool:
+    spec = with_defaults(llmd.get("spec") or {})
+    return spec["tuning"]["mode"] == "Off" or bool(validate_spec(spec))
 
 
 def _rfc3339(epoch_s: float) -> str:
