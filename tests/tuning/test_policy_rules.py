@@ -249,6 +249,45 @@ def test_change_is_watched_only_after_the_rollout() -> None:
     assert decision.verdict is not None and decision.verdict.startswith("kept maxNumSeqs 64 -> 128")
 
 
+def test_a_rollout_past_its_deadline_is_reverted_and_its_value_banned() -> None:
+    run = Run(settings(seqs=64), limits(rollout_deadline_s=300))
+    run.until_change(QUEUED_WITH_FREE_KV)  # 64 -> 128, never rolled out (no GPU free, say)
+    decisions = [run.step(QUEUED_WITH_FREE_KV, rollout_complete=False) for _ in range(6)]
+    assert [d.action for d in decisions] == ["hold"] * 5 + ["revert"]
+    revert = decisions[-1]
+    assert (revert.knob, revert.old, revert.new) == (MAX_NUM_SEQS, 128, 64)
+    assert "rollout not complete 360s after the change (deadline 300s)" in revert.reason
+    assert run.state["rejected"][0]["value"] == 128
+    run.wait_cooldown(QUEUED_WITH_FREE_KV)
+    assert run.until_change(QUEUED_WITH_FREE_KV).knob == REPLICAS  # not 128 again
+
+
+def test_engines_restarting_while_a_change_rolls_out_revert_it_at_once() -> None:
+    """A CUDA out-of-memory error at start-up is a process exit: restarts, no OOM kill."""
+    run = Run(settings(seqs=64), limits())
+    run.until_change(QUEUED_WITH_FREE_KV)
+    decision = run.step(window(restarts=3.0, oom_kills=0.0), rollout_complete=False)
+    assert (decision.action, decision.new) == ("revert", 64)
+    assert "3 engine restarts while it rolled out" in decision.reason
+
+
+def test_restarts_after_a_raised_engine_knob_revert_it() -> None:
+    run = Run(settings(seqs=64), limits())
+    run.until_change(QUEUED_WITH_FREE_KV)
+    run.step(window())
+    decision = run.step(window(restarts=1.0, oom_kills=0.0))
+    assert (decision.action, decision.new) == ("revert", 64)
+    assert "1 engine restarts after raising it" in decision.reason
+
+
+def test_the_rollout_deadline_runs_while_no_engine_reports_metrics() -> None:
+    run = Run(settings(seqs=64), limits(rollout_deadline_s=300))
+    run.until_change(QUEUED_WITH_FREE_KV)
+    decisions = [run.step(None, rollout_complete=False) for _ in range(6)]
+    assert [d.action for d in decisions] == ["hold"] * 5 + ["revert"]
+    assert decisions[0].reason.startswith("holding steady: Prometheus unreachable")
+
+
 def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
     run = Run(settings(seqs=64), limits())
     run.until_change(QUEUED_WITH_FREE_KV)  # 64 -> 128 at 5000 tok/s

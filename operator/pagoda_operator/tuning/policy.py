@@ -13,7 +13,8 @@ What keeps it steady:
 - step limits (maxNumSeqs at most doubles or halves, gpuMemoryUtilization moves 0.02,
   replicas at most double going up and drop by one going down);
 - one knob at a time, never outside the user's bounds, never a knob the user pinned;
-- a change that made things worse is reverted and its value is not tried again for a while;
+- a change that made things worse is reverted and its value is not tried again for a while,
+  and so is one whose rollout fails (engines restarting, or not done by a deadline);
   a knob that moved one way does not move back the other way until a dwell has passed.
 """
 
