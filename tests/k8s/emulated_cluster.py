@@ -30,6 +30,7 @@ from kmock._internal.k8s import KubernetesError
 
 TEST_USER_AGENT = "pagoda-tests"
 REQUEST_HISTORY = 200
+REQUEST_TIMEOUT_S = 60
 
 
 @attrs.frozen
@@ -255,7 +256,8 @@ class EmulatedCluster:
         headers = {"User-Agent": TEST_USER_AGENT, "Content-Type": content_type}
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            # The emulator shares this process (and a loaded CI machine's cores): be patient.
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
             if error.code == 404:
