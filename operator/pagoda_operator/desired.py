@@ -576,7 +576,9 @@ def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -
         {"parameter": parameters[field], "name": ref["name"], "key": ref["key"]}
         for field, ref in prometheus_auth(spec).items()
     ]
-    return _finish(llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}})
+    return _finish(
+        llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}}
+    )
 
 
 def _pods_metric(name: str, average_value: str) -> dict[str, Any]:

@@ -162,7 +162,9 @@ def test_every_service_monitor_labels_series_as_the_tuner_selects_them(helm: str
         }
     ]
     # The chart's own ServiceMonitor replaces the per-object ones: never both.
-    assert container_env(by_kind(chart_level, "Deployment")[0])["PAGODA_SERVICE_MONITORS"] == "false"
+    assert (
+        container_env(by_kind(chart_level, "Deployment")[0])["PAGODA_SERVICE_MONITORS"] == "false"
+    )
 
 
 def container_env(deployment: dict[str, Any]) -> dict[str, str]:

@@ -136,9 +136,10 @@ def test_queries_select_the_deployment_and_its_pods() -> None:
     assert queries["ttft_p95_s"].startswith("histogram_quantile(0.95, sum by (le)")
     assert "vllm:time_to_first_token_seconds_bucket" in queries["ttft_p95_s"]
     assert 'owner_kind="ReplicaSet",owner_name=~"qwen-[a-z0-9]+"' in queries["restarts"]
-    assert 'owner_name=~"qwen2\\\\.5\\\\-7b-[a-z0-9]+"' in snapshot_queries("a", "qwen2.5-7b", 30)[
-        "restarts"
-    ]
+    assert (
+        'owner_name=~"qwen2\\\\.5\\\\-7b-[a-z0-9]+"'
+        in snapshot_queries("a", "qwen2.5-7b", 30)["restarts"]
+    )
     assert 'reason="OOMKilled"' in queries["oom_kills"]
 
 

@@ -203,9 +203,7 @@ async def prometheus_endpoint(
     )
 
 
-async def _secret_value(
-    client: KubeClient, namespace: str, field: str, ref: dict[str, str]
-) -> str:
+async def _secret_value(client: KubeClient, namespace: str, field: str, ref: dict[str, str]) -> str:
     where = f"spec.prometheus.{field}: Secret {namespace}/{ref['name']}"
     try:
         secret = await client.get(f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}")
