@@ -1,12 +1,15 @@
 """Replicas behind a Service, a Deployment's rolling update, and the tuner on top.
 
-``simulate`` plays a trace against a static configuration or against the operator's own
-``decide`` (Auto mode), every ``interval_s``, with the metrics an engine would export.
+``simulate`` plays a trace against a static configuration, against the operator's own
+``decide`` (Auto mode), or against a queue-driven autoscaler (the HorizontalPodAutoscaler's
+algorithm, which a KEDA ScaledObject feeds the same way), every ``interval_s``, with the
+metrics an engine would export.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,14 +50,54 @@ class Result:
     slo_windows_met: int
     slo_windows: int
     timeline: Timeline
+    preemptions: int = 0
+    rollouts: int = 0  # changes of the Deployment (each one a rolling update or a scale)
 
     @property
     def attainment(self) -> float:
         return self.slo_windows_met / max(self.slo_windows, 1)
 
 
+@dataclass
+class QueueAutoscaler:
+    """The HorizontalPodAutoscaler's algorithm on waiting requests per replica (KEDA's
+    Prometheus trigger with metricType AverageValue hands it the same ratio): desired =
+    ceil(current x waiting per replica / target), nothing within a 10 % tolerance, up at
+    most to max(2 x current, current + 4) a period, down only to the highest
+    recommendation of the last 300 s (the default scale-down stabilization). Replicas still
+    starting count as waiting nothing, as the HPA counts unready pods when scaling up."""
+
+    target_waiting: float
+    min_replicas: int
+    max_replicas: int
+    tolerance: float = 0.1
+    stabilization_s: float = 300.0
+    history: list[tuple[float, int]] = field(default_factory=list)
+
+    def desired(self, current: int, snapshot: Snapshot | None, now: float) -> int:
+        recommendation = current
+        if snapshot is not None:
+            replicas = max(snapshot.pods, current, 1)
+            ratio = snapshot.requests_waiting / replicas / self.target_waiting
+            if abs(ratio - 1) > self.tolerance:
+                recommendation = min(math.ceil(current * ratio), max(2 * current, current + 4))
+        recommendation = min(max(recommendation, self.min_replicas), self.max_replicas)
+        self.history = [(t, r) for t, r in self.history if now - t < self.stabilization_s]
+        self.history.append((now, recommendation))
+        if recommendation >= current:
+            return recommendation
+        return min(current, max(r for _, r in self.history))
+
+
 class Cluster:
-    def __init__(self, replicas: int, max_num_seqs: int, gpu_memory_utilization: float):
+    def __init__(
+        self,
+        replicas: int,
+        max_num_seqs: int,
+        gpu_memory_utilization: float,
+        routing: str = "least-outstanding",
+        seed: int = 0,
+    ):
         self.desired = {
             REPLICAS: replicas,
             MAX_NUM_SEQS: max_num_seqs,
@@ -65,7 +108,10 @@ class Cluster:
             Replica(max_num_seqs, gpu_memory_utilization, 0.0) for _ in range(replicas)
         ]
         self.round_robin = itertools.count()
+        self.routing = routing
+        self.rng = np.random.default_rng(seed + 1)
         self.gpu_seconds = 0.0
+        self.preemptions = 0
         self.restarts = 0
         self.oom_kills = 0
 
@@ -77,10 +123,15 @@ class Cluster:
         return [r for r in self.replicas if not r.draining]
 
     def route(self, requests: list[Request], now: float) -> None:
-        """Least outstanding requests first, as IPVS "lc" or an inference gateway routes;
-        ties go round-robin."""
+        """``random``: each request to any ready replica, as a Service (kube-proxy) spreads
+        them and as the product routes without a gateway. ``least-outstanding``: fewest
+        requests first, as IPVS "lc" or an inference gateway routes; ties go round-robin."""
         serving = [r for r in self.active() if r.ready(now)] or self.active()
         if not serving or not requests:
+            return
+        if self.routing == "random":
+            for request, index in zip(requests, self.rng.integers(len(serving), size=len(requests))):
+                serving[int(index)].waiting.append(request)
             return
         offset = next(self.round_robin)
         serving = serving[offset % len(serving) :] + serving[: offset % len(serving)]
@@ -140,6 +191,7 @@ class Cluster:
 
     def snapshot(self, window_s: float, ttfts: list[float]) -> Snapshot | None:
         stats = [r.take_stats() for r in self.replicas]
+        self.preemptions += sum(s.preemptions for s in stats)
         reporting = [s for s in stats if s.seconds > 0]
         if not reporting:
             return None
@@ -180,13 +232,19 @@ def simulate(
     config: PolicyConfig | None = None,
     seed: int = 0,
     give_up_misses: int | None = None,
+    autoscaler: QueueAutoscaler | None = None,
+    routing: str = "least-outstanding",
 ) -> Result:
-    """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, without them the
-    configuration stays as ``start`` says. ``give_up_misses`` ends a run early once that
-    many SLO windows are missed (a static sweep needs no more)."""
+    """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, with
+    ``autoscaler`` a queue-driven autoscaler moves replicas, with neither the configuration
+    stays as ``start`` says. ``give_up_misses`` ends a run early once that many SLO windows
+    are missed (a static sweep needs no more)."""
     rng = np.random.default_rng(seed)
-    cluster = Cluster(int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION])
-    timeline, state = Timeline(), None
+    cluster = Cluster(
+        int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION],
+        routing=routing, seed=seed,
+    )  # fmt: skip
+    timeline, state, rollouts = Timeline(), None, 0
     window_ttfts: list[float] = []
     slo_met = slo_windows = 0
     steps_per_interval = round(interval_s / TICK_S)
@@ -210,6 +268,17 @@ def simulate(
                 timeline.decisions.append({"time": now, **decision.as_dict()})
             if decision.action in ("change", "revert"):
                 cluster.desired[str(decision.knob)] = float(decision.new or 0)
+                rollouts += 1
+        elif autoscaler is not None:
+            current = int(cluster.desired[REPLICAS])
+            wanted = autoscaler.desired(current, snapshot, now)
+            if wanted != current:
+                timeline.decisions.append(
+                    {"time": now, "action": "change", "knob": REPLICAS, "old": current,
+                     "new": wanted, "reason": "waiting requests per replica vs target"}
+                )  # fmt: skip
+                cluster.desired[REPLICAS] = wanted
+                rollouts += 1
         _record(timeline, cluster, snapshot, trace, now)
         if len(timeline.time) % intervals_per_slo_window == 0:
             slo_windows += 1
@@ -218,7 +287,9 @@ def simulate(
             window_ttfts = []
             if give_up_misses is not None and slo_windows - slo_met >= give_up_misses:
                 break
-    return Result(cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline)
+    return Result(
+        cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline, cluster.preemptions, rollouts
+    )
 
 
 def _record(
