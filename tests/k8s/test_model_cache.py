@@ -111,6 +111,42 @@ def test_replicas_wait_for_the_cache() -> None:
     assert objects(llmd(replicas=3))["Deployment"]["spec"]["replicas"] == 3
 
 
+def tuned(replicas: int, maxReplicas: int, override: int) -> dict[str, Any]:
+    """Tuning Auto with the tuner's replica override recorded in the status."""
+    obj = llmd(
+        replicas=replicas,
+        tuning={"mode": "Auto"},
+        autoscaling={"minReplicas": 1, "maxReplicas": maxReplicas},
+        prometheus={"url": "http://prometheus:9090"},
+    )
+    obj["status"] = {
+        "tuning": {"overrides": {"replicas": {"value": override, "specValue": replicas}}}
+    }
+    return obj
+
+
+def test_the_cache_gate_wins_over_a_replica_override() -> None:
+    obj = tuned(replicas=1, maxReplicas=4, override=3)
+    assert objects(obj)["Deployment"]["spec"]["replicas"] == 3
+    assert objects(obj, model_cached=False)["Deployment"]["spec"]["replicas"] == 0
+    status = workload_status(obj, None, NOW)
+    assert status["effective"]["replicas"] == 3
+
+
+def test_a_replica_override_never_changes_the_cache_access_mode() -> None:
+    # Access modes of a claim cannot change: the tuner's range decides, not its current value.
+    def mode(obj: dict[str, Any]) -> str:
+        return objects(obj)["PersistentVolumeClaim"]["spec"]["accessModes"][0]
+
+    assert mode(tuned(replicas=1, maxReplicas=4, override=1)) == "ReadWriteMany"
+    assert mode(tuned(replicas=1, maxReplicas=4, override=3)) == "ReadWriteMany"
+    assert mode(tuned(replicas=1, maxReplicas=1, override=1)) == "ReadWriteOnce"
+    pinned = tuned(replicas=1, maxReplicas=4, override=3)
+    pinned["spec"]["tuning"]["pinned"] = ["replicas"]
+    assert mode(pinned) == "ReadWriteOnce"
+    assert mode(llmd(replicas=1)) == "ReadWriteOnce"
+
+
 def test_cache_settings_and_s3_endpoint() -> None:
     source = {
         "uri": "s3://models/llama",

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from pagoda_operator import handlers
+from pagoda_operator.desired import MonitorSettings
 from pagoda_operator.tuning import runner
 
 
@@ -76,3 +77,44 @@ def test_tuner_loop_runs_each_tuned_object_one_window_at_a_time(
     assert calls.count("slow") == 1  # still running: not started again
     assert "off" not in calls and "going" not in calls
     assert ("tuned", "Normal", "TuningRecommendation") in client.events
+
+
+def test_tuner_window_applies_through_reconcile_with_the_operators_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tuner renders the Deployment from spec + overrides through ``apply_owned``: a
+    # reconcile with the operator's image, ServiceMonitor switch and monitor settings, whose
+    # Events go through the operator's own client as the tuner's do.
+    reconciled: list[tuple[str, dict[str, Any]]] = []
+
+    async def fake_reconcile(client: Any, obj: dict[str, Any], *, emit: Any, **kwargs: Any) -> None:
+        reconciled.append((obj["metadata"]["name"], kwargs))
+        emit("Normal", "Updated", "Updated Deployment tuned")
+
+    async def fake_tune(client: Any, obj: dict[str, Any], *, apply_owned: Any, **_: Any) -> None:
+        await apply_owned(obj)
+
+    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
+    monkeypatch.setattr(runner, "tune", fake_tune)
+    client = FakeClient([])
+    monitor = MonitorSettings(labels={"release": "prom"}, interval="30s")
+    memo = SimpleNamespace(
+        client=client,
+        tuner_events=set(),
+        default_image="engine:1",
+        service_monitors=False,
+        monitor=monitor,
+    )
+
+    async def run() -> None:
+        await handlers.tune_llmdeployment(llmd("tuned", "Auto"), memo)
+        await asyncio.gather(*memo.tuner_events, return_exceptions=True)
+
+    asyncio.run(run())
+    assert len(reconciled) == 1
+    name, kwargs = reconciled[0]
+    assert name == "tuned"
+    assert kwargs["monitor"] is monitor
+    assert kwargs["default_image"] == "engine:1"
+    assert kwargs["service_monitors"] is False
+    assert ("tuned", "Normal", "Updated") in client.events
