@@ -1,7 +1,7 @@
 """pagoda's inference engine: paged KV cache, continuous batching, OpenAI-compatible API."""
 
 from inference.outputs import CompletionOutput, Logprob, RequestOutput
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -13,4 +13,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+    "StructuredOutputsParams",
+]

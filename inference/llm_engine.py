@@ -7,6 +7,8 @@ A request's life, top to bottom:
                    computed (``ModelRunner.launch``), then each new token is appended,
                    detokenized and checked against the stop conditions (``_process_token``);
                    finished sequences give their KV blocks back (``Scheduler.finish``);
+                   a structured-output request first waits here, outside the scheduler,
+                   until its grammar matcher is built (``inference.structured_output``);
   ``abort_request`` frees a request's blocks at any point.
 """
 
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -44,9 +49,12 @@ from inference.sampler import (
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus
+from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
+# With nothing else to run, how long a step waits for a grammar being built (not spinning).
+_GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass
@@ -68,7 +76,9 @@ class _LaunchedStep:
     handle: StepHandle
     seqs: list[Sequence]  # the sampled sequences, in sample-row order
     positions: list[int]  # where each one's placeholder sits in its token_ids
-    needs_sync: bool  # penalties read the tokens: the next step must see real ids
+    # Penalties read the tokens, grammars must consume them before the next mask: the
+    # next step must see real ids.
+    needs_sync: bool
     # Sequences whose prompt logprobs the step computes, with what was asked of the runner.
     prompt_logprobs: list[tuple[Sequence, PromptLogprobsRequest]]
 
@@ -130,6 +140,12 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[str, _Request] = {}
+        # Structured outputs: matchers are built off the step loop; requests wait here
+        # until theirs is ready.
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
+        self._awaiting_grammar: list[tuple[_Request, Future]] = []
         # Async scheduling (on by default): step n+1 is launched before step n's tokens
         # are read back. Off, each step completes before the next is scheduled.
         self.async_scheduling = config.async_scheduling
@@ -209,6 +225,10 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        grammar: Future | None = None
+        if params.structured_outputs is not None:
+            source = self.grammars.check(params.structured_outputs)
+            grammar = self.grammars.matcher(params.structured_outputs, source)
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
 
@@ -232,13 +252,50 @@ class LLMEngine:
                 if params.detokenize and self.tokenizer is not None
                 else None
             )
-        self.requests[request_id] = _Request(
-            request_id, prompt_text, prompt_ids, params, seqs, detoks, arrival_time
-        )
+        request = _Request(request_id, prompt_text, prompt_ids, params, seqs, detoks, arrival_time)
+        self.requests[request_id] = request
+        if grammar is not None:
+            self._awaiting_grammar.append((request, grammar))
+            return
         for seq in seqs:
-            self.scheduler.add(seq)
-            if seq.prompt_logprobs is not None and seq.num_prompt_tokens > 1:
-                self._unscored.add(seq)
+            self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        if seq.prompt_logprobs is not None and seq.num_prompt_tokens > 1:
+            self._unscored.add(seq)
+
+    def _admit_grammar_requests(self) -> None:
+        """Queue the structured-output requests whose matchers are built (each sequence
+        gets its own copy); fail those whose grammar could not be built."""
+        scheduler = self.scheduler
+        idle = not scheduler.waiting and not scheduler.running and self._in_flight is None
+        if idle and not self._pending_outputs:
+            wait_futures(
+                [future for _, future in self._awaiting_grammar],
+                timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED,
+            )
+        waiting = []
+        for request, future in self._awaiting_grammar:
+            if request.finished:
+                continue  # aborted while its grammar was being built
+            if not future.done():
+                waiting.append((request, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                logger.error("request %s: grammar failed: %s", request.request_id, error)
+                for seq in request.seqs:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "abort"
+                del self.requests[request.request_id]
+                self._pending_outputs.append(self._make_output(request))
+                continue
+            template = future.result()
+            for seq in request.seqs:
+                seq.grammar = template.deep_copy()
+                self._queue(seq)
+        self._awaiting_grammar = waiting
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -281,6 +338,8 @@ class LLMEngine:
         """One scheduling step. With async scheduling the step is launched first and the
         previous step's tokens are processed while the device runs it, so the host's work
         (stop checks, detokenization, outputs, the next schedule) hides behind the GPU's."""
+        if self._awaiting_grammar:
+            self._admit_grammar_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
@@ -305,6 +364,12 @@ class LLMEngine:
         sampling = self._sampling_metadata(sampled_seqs)
         if self._unscored:
             sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts, self._unscored)
+        constrained = [row for row, s in enumerate(sampled_seqs) if s.grammar is not None]
+        if constrained:
+            sampling.bitmask_rows = constrained
+            sampling.fill_token_bitmask = partial(
+                self.grammars.fill_bitmask, [sampled_seqs[row].grammar for row in constrained]
+            )
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         for seq, n in zip(seqs, counts):
@@ -318,7 +383,7 @@ class LLMEngine:
         for row, seq in enumerate(sampled_seqs):
             positions.append(seq.num_tokens)
             seq.append_placeholder(-1 - row)
-        needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
+        needs_sync = bool(constrained) or any(has_penalties(s.params) for s in sampled_seqs)
         return _LaunchedStep(handle, sampled_seqs, positions, needs_sync, prompt_logprobs)
 
     def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
@@ -397,9 +462,24 @@ class LLMEngine:
         if detok is not None and (not stop_token or p.include_stop_str_in_output):
             num_new_chars = len(detok.add(token_id))
         finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
+        if seq.grammar is not None and self._grammar_ended(seq, token_id) and finish is None:
+            finish, reason = "stop", None
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, reason
             self.scheduler.finish(seq)
+
+    def _grammar_ended(self, seq: Sequence, token_id: int) -> bool:
+        """Advance the sequence's matcher by its new token; True once the grammar admits
+        no more tokens (its output is complete)."""
+        matcher = seq.grammar
+        if not matcher.consume_token(token_id):
+            # Only a sampler bug could pick a masked token; never return unchecked output.
+            logger.error(
+                "request %s: token %d rejected by its grammar: %s", seq.request_id, token_id,
+                matcher.get_error(),
+            )
+            return True
+        return matcher.is_stopped()
 
     def _check_stop(
         self, seq: Sequence, token_id: int, stop_token: bool, detok, num_new_chars: int
@@ -527,13 +607,17 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting)
+            + sum(len(request.seqs) for request, _ in self._awaiting_grammar),
             kv_cache_usage=bm.usage,
             num_total_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,

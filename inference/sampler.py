@@ -4,12 +4,15 @@ The model runner calls the sampler once per step with one row of logits per sequ
 work happens on the logits' device, batched over rows; what comes back to the host is the chosen
 id per row and, only for rows that ask, their logprobs, in a single transfer.
 
-Order of processing, as in vLLM V1's sampler: min_tokens masking, logit bias, penalties, then
-greedy rows take the argmax while the others go through temperature, min-p, top-k, top-p and
-an exponential race. min-p comes first, on the whole (tempered) distribution, as vLLM V1's
-min-p logits processor does: its cut (probability below min_p times the largest) would be the
-same after top-k, but top-p's mass then counts only what min-p kept. Logprobs describe the raw
-distribution (before any of that), as vLLM V1 reports them by default.
+Structured outputs come first: the grammar bitmask of the constrained rows sets the tokens
+their grammar forbids to -inf, so everything after it (sampling and logprobs, as in vLLM)
+sees only what the grammar allows. Then, as in vLLM V1's sampler: min_tokens masking, logit
+bias, penalties, then greedy rows take the argmax while the others go through temperature,
+min-p, top-k, top-p and an exponential race. min-p comes first, on the whole (tempered)
+distribution, as vLLM V1's min-p logits processor does: its cut (probability below min_p
+times the largest) would be the same after top-k, but top-p's mass then counts only what
+min-p kept. Logprobs describe the distribution before all of that but the grammar's mask
+(the raw one for unconstrained rows), as vLLM V1 reports them by default.
 """
 
 from __future__ import annotations
@@ -64,6 +67,19 @@ class SamplingMetadata:
     num_output_tokens: list[int] | None = None
     # Rows of the step (any, not only sampled ones) whose prompt logprobs are wanted.
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
+    # Structured outputs: the allowed next tokens of the rows at ``bitmask_rows``, one int32
+    # row of bits each (bit t % 32 of word t // 32). The engine may give
+    # ``fill_token_bitmask`` instead, called once the step's forward pass has been queued
+    # (on a GPU the host fills the mask while the device runs the model).
+    token_bitmask: np.ndarray | None = None
+    bitmask_rows: list[int] | None = None
+    fill_token_bitmask: Callable[[], np.ndarray] | None = None
+
+    def resolve_token_bitmask(self) -> np.ndarray | None:
+        if self.fill_token_bitmask is not None:
+            self.token_bitmask = self.fill_token_bitmask()
+            self.fill_token_bitmask = None
+        return self.token_bitmask
 
     def output_counts(self) -> list[int]:
         if self.num_output_tokens is not None:
@@ -136,6 +152,26 @@ def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]
+) -> torch.Tensor:
+    """``logits`` with -inf wherever row ``rows[i]``'s bitmask ``bitmask[i]`` has a 0 bit;
+    other rows untouched. ``rows`` ascend; tokens past the bitmask's width are forbidden."""
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    words = _to_device(torch.from_numpy(bitmask), torch.int32, device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    allowed = allowed[:, :vocab_size]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = _to_device(torch.tensor(rows, dtype=torch.int64), torch.int64, device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -470,6 +506,9 @@ class Sampler:
         """Everything on the logits' device; nothing is read back here."""
         params = metadata.params
         logits = logits.float()
+        bitmask = metadata.resolve_token_bitmask()
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask, metadata.bitmask_rows or [])
         all_greedy = all(p.greedy for p in params)
         penalized = [has_penalties(p) for p in params]
         wants_logprobs = any(p.logprobs is not None for p in params)

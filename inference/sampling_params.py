@@ -7,9 +7,72 @@ message that names the field, before the request touches the engine.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a JSON schema, any JSON object, a regular
+    expression, one of a list of strings, or a grammar (Lark, or llama.cpp's GBNF), as
+    vLLM's ``StructuredOutputsParams``. Exactly one of the constraints is set. Whether a
+    schema or grammar is valid is decided by the grammar engine when the request is added
+    (``inference.structured_output``), which raises ``ValueError``."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without optional whitespace between tokens: shorter outputs, and small models
+    # cannot drift into runs of blank lines.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {found}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (object or string)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    def kinds(self) -> list[str]:
+        """The constraints that are set (exactly one on a valid instance)."""
+        values = {
+            "json": self.json, "regex": self.regex, "choice": self.choice,
+            "grammar": self.grammar, "json_object": self.json_object or None,
+        }  # fmt: skip
+        return [name for name, value in values.items() if value is not None]
+
+    def key(self) -> tuple:
+        """Identifies the compiled grammar: equal keys share one compilation."""
+        kind = self.kinds()[0]
+        value = {
+            "json": self.json, "regex": self.regex, "choice": self.choice,
+            "grammar": self.grammar, "json_object": True,
+        }[kind]  # fmt: skip
+        if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True)
+        return (kind, value, self.disable_any_whitespace)
 
 
 @dataclass
@@ -36,6 +99,7 @@ class SamplingParams:
     # Added to the logits of these token ids before penalties and sampling (OpenAI's range:
     # -100 bans a token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS and generation-config stop ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -99,6 +163,10 @@ class SamplingParams:
                 raise bad("logit_bias", "keys must be non-negative token ids")
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

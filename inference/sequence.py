@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,8 @@ class Sequence:
     num_pending_tokens: int = field(init=False, default=0)
     # Output tokens already handed out in delta outputs (LLMEngine.delta_outputs).
     num_emitted_tokens: int = field(init=False, default=0)
+    # Structured outputs: the grammar matcher (llguidance), advanced with every known token.
+    grammar: Any = field(init=False, default=None, repr=False)
     first_scheduled_time: float | None = field(init=False, default=None)
     first_token_time: float | None = field(init=False, default=None)
     last_token_time: float | None = field(init=False, default=None)

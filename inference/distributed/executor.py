@@ -153,6 +153,9 @@ class MultiprocExecutor:
         finished = [seq_id for seq_id, seq in self._known.items() if seq.is_finished]
         for seq_id in finished:
             del self._known[seq_id]
+        # Structured outputs: the engine fills the grammar bitmask here and every rank
+        # applies the same one, so all ranks still sample identically.
+        sampling.resolve_token_bitmask()
         wire = replace(sampling, params=[], generators=[])
         self._send((EXECUTE, inputs, sample_rows, wire, seq_ids, new_seqs, finished))
         index = self._num_launched

@@ -165,13 +165,18 @@ def build_app(
     limits: RequestLimits | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cors: CorsSettings | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     limits = limits or RequestLimits()
     tokenizer_pool = TokenizerPool()
     completions = CompletionServing(
         engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool
     )
-    chat = ChatServing(engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool)
+    chat = ChatServing(
+        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool,
+        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

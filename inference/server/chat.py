@@ -1,10 +1,18 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template.
+
+Tools: the request's ``tools`` go to the chat template (which tells the model about them).
+``tool_choice`` decides what happens to the output: ``none``, plain text; ``auto`` (the
+default when tools are given), the server's ``--tool-call-parser`` finds calls in what the
+model wrote; ``required`` and a named function force a call with the grammar engine (a JSON
+schema built from the tools), so the output always parses.
+"""
 
 from __future__ import annotations
 
 import inspect
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -12,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from inference.outputs import CompletionOutput, RequestOutput
+from inference.sampling_params import StructuredOutputsParams
 from inference.server.completions import (
     DONE,
     SSE_HEADERS,
@@ -23,7 +32,7 @@ from inference.server.completions import (
     sse,
 )
 from inference.server.errors import APIError, error_body
-from inference.server.protocol import ChatCompletionRequest, ChatMessage, message_dicts
+from inference.server.protocol import ChatCompletionRequest, ChatMessage, Tool, message_dicts
 from inference.server.serving import (
     ClientDisconnected,
     OpenAIServing,
@@ -31,16 +40,109 @@ from inference.server.serving import (
     clamp_logprob,
     collect,
     engine_error,
+    requested_structured_outputs,
     token_text,
     top_logprobs,
     until_disconnected,
     usage,
     usage_counts,
 )
+from inference.server.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    ToolStream,
+)
+
+
+@dataclass
+class ToolPlan:
+    """How a request's output becomes tool calls."""
+
+    parser: ToolParser
+    # auto and required: a finished output that made calls ends with "tool_calls" (a named
+    # function ends with "stop", as in OpenAI's API)
+    finish_as_tool_calls: bool
+    constraint: StructuredOutputsParams | None  # required and named: the forced shape
+
+
+def required_tools_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more ``{"name", "parameters"}`` calls of the given tools."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": tool.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 class ChatServing(OpenAIServing):
     _reserved_template_args: frozenset[str] | None = None
+
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: list[str],
+        *,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(engine, served_model_names, **kwargs)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {tool_call_parser!r}; "
+                f"choose from {', '.join(TOOL_PARSERS)}"
+            )
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        """What ``tools`` and ``tool_choice`` ask for (None: plain text); 400 if invalid."""
+        choice = req.tool_choice
+        if not req.tools:
+            return None  # tool_choice without tools is refused by the request's validation
+        if choice == "none":
+            return None
+        if choice is None or choice == "auto":
+            if not self.enable_auto_tool_choice or self.tool_call_parser is None:
+                raise APIError(
+                    400,
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set",
+                    param="tool_choice",
+                )
+            return ToolPlan(TOOL_PARSERS[self.tool_call_parser](), True, None)
+        if requested_structured_outputs(req) is not None:
+            raise APIError(
+                400,
+                "a required or named tool_choice forces the output itself; it cannot be "
+                "combined with response_format or structured outputs",
+                param="tool_choice",
+            )
+        if choice == "required":
+            schema = required_tools_schema(req.tools, req.parallel_tool_calls is not False)
+            return ToolPlan(RequiredToolParser(), True, StructuredOutputsParams(json=schema))
+        name = choice.function.name
+        tool = next((t for t in req.tools if t.function.name == name), None)
+        if tool is None:
+            raise APIError(
+                400, f"tool_choice names function {name!r}, which is not in tools",
+                param="tool_choice",
+            )
+        schema = tool.function.parameters or {"type": "object"}
+        return ToolPlan(NamedToolParser(name), False, StructuredOutputsParams(json=schema))
 
     def render_chat(
         self,
@@ -48,6 +150,7 @@ class ChatServing(OpenAIServing):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[Tool] | None = None,
     ) -> str:
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -60,6 +163,8 @@ class ChatServing(OpenAIServing):
         # arguments (its template source, tokenize, return types) through these.
         reserved = self._reserved_args(tokenizer)
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
+        if tools:
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
             text = tokenizer.apply_chat_template(
                 message_dicts(messages),
@@ -87,6 +192,7 @@ class ChatServing(OpenAIServing):
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            req.tools,
         )
         # The rendered template already holds any BOS token it wants.
         return PreparedPrompt(text, self.encode(text, add_special_tokens=False))
@@ -99,13 +205,15 @@ class ChatServing(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_ready()
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        tools = self.tool_plan(req)
         self.check_batch(1, req.n)
         prompt = await self.tokenizer_pool.run(raw, self.prepare_prompt, req)
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
-        params = self.sampling_params(req, max_tokens, self.requested_logprobs(req))
+        params = self.sampling_params(
+            req, max_tokens, self.requested_logprobs(req),
+            tools.constraint if tools is not None else None,
+        )
         request_id = self.new_request_id("chatcmpl", raw)
         stream = self.generate([prompt], params, request_id)
         try:
@@ -114,7 +222,7 @@ class ChatServing(OpenAIServing):
             return Response(status_code=499)
         except Exception as exc:
             raise engine_error(exc) or exc from exc
-        view = _ChatView(self, req, prompt, request_id)
+        view = _ChatView(self, req, prompt, request_id, tools)
         if req.stream:
             return StreamingResponse(
                 view.stream(first[1], stream), media_type="text/event-stream", headers=SSE_HEADERS
@@ -135,8 +243,10 @@ class _ChatView:
         req: ChatCompletionRequest,
         prompt: PreparedPrompt,
         request_id: str,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.serving = serving
+        self.tools = tools
         self.req = req
         self.prompt = prompt
         self.request_id = request_id
@@ -176,17 +286,35 @@ class _ChatView:
             )
         return {"content": content}
 
+    def message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish reason."""
+        finish_reason = completion.finish_reason
+        if self.tools is None:
+            return {"role": "assistant", "content": self.echo + completion.text}, finish_reason
+        content, calls = self.tools.parser.parse(completion.text)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.echo + content if content is not None else (self.echo or None),
+        }
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+            if self.tools.finish_as_tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
     def full_response(self, output: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": self.echo + c.text},
-                "logprobs": self.logprobs(c, 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in output.outputs
-        ]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self.message(c)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self.logprobs(c, 0),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": self.request_id,
             "object": "chat.completion",
@@ -198,6 +326,23 @@ class _ChatView:
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return chunk_payload(self, "chat.completion.chunk", choices)
+
+    def _tool_delta(self, stream: ToolStream, completion: CompletionOutput) -> tuple[str, str | None]:
+        """A streamed choice's delta (content and tool-call deltas) and finish reason."""
+        content, calls = stream.feed(completion.text)
+        finish_reason = completion.finish_reason
+        if finish_reason is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+            assert self.tools is not None
+            if stream.num_calls and self.tools.finish_as_tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [call.to_openai() for call in calls]
+        return dumps(delta), finish_reason
 
     async def stream(
         self, first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
@@ -220,6 +365,9 @@ class _ChatView:
             role_chunk["usage"] = usage_counts([self.prompt], 0)
         yield sse(role_chunk)
         envelope = ChunkEnvelope(self, "chat.completion.chunk")
+        tool_streams = (
+            {i: self.tools.parser.stream() for i in range(self.req.n)} if self.tools else None
+        )
         num_tokens = 0
         try:
             output: RequestOutput | None = first
@@ -227,10 +375,14 @@ class _ChatView:
                 choices = []
                 for c in output.outputs:
                     num_tokens += len(c.token_ids)
-                    content = f'{{"content":{dumps(c.text)}}}' if c.text else "{}"
+                    finish_reason = c.finish_reason
+                    if tool_streams is None:
+                        delta = f'{{"content":{dumps(c.text)}}}' if c.text else "{}"
+                    else:
+                        delta, finish_reason = self._tool_delta(tool_streams[c.index], c)
                     choices.append(
-                        f'{{"index":{c.index},"delta":{content}'
-                        + choice_end(self.logprobs(c, 0), c.finish_reason, c.stop_reason)
+                        f'{{"index":{c.index},"delta":{delta}'
+                        + choice_end(self.logprobs(c, 0), finish_reason, c.stop_reason)
                     )
                 if choices:
                     counts = usage_counts([self.prompt], num_tokens) if continuous else None

@@ -37,6 +37,7 @@ from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
 from inference.config import EngineConfig
 from inference.server.app import DEFAULT_MAX_BODY_BYTES
 from inference.server.serving import RequestLimits
+from inference.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("inference.server")
 
@@ -135,6 +136,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)"
     )
     parser.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls out of the output when tool_choice is "auto" (needs '
+        "--tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format: hermes (Hermes, Qwen) or llama3_json (Llama 3)",
+    )
     parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -267,6 +280,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.engine_step_timeout > 0:
         print("error: --engine-step-timeout must be > 0", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     # The engine runs in its own process, but the thread that reads its step messages shares
     # the GIL with the event loop: when it wakes up while the loop is busy writing streams,
     # it waits up to one switch interval, and CPython's default of 5 ms exceeds a decode step.
@@ -307,6 +323,8 @@ def run_serve(args: argparse.Namespace) -> int:
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
         ),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     uv_config = uvicorn.Config(
         app,

@@ -30,7 +30,7 @@ from inference.async_engine import (
     RequestAbortedError,
 )
 from inference.outputs import Logprob, OutputAccumulator, RequestOutput
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import SamplingParams, StructuredOutputsParams
 from inference.server.errors import APIError
 from inference.server.protocol import _SamplingFields
 
@@ -206,8 +206,14 @@ class OpenAIServing:
         return bias
 
     def sampling_params(
-        self, req: _SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        req: _SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams; ``structured``: a constraint of the caller's
+        (tool calls) instead of the request's structured-output fields."""
         if req.n > self.engine.config.max_num_seqs:
             raise APIError(
                 400,
@@ -216,6 +222,8 @@ class OpenAIServing:
             )
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if structured is None:
+            structured = requested_structured_outputs(req)
         top_k = req.top_k or 0
         if top_k >= self.vocab_size:
             top_k = 0  # keeping every token is the same as no top-k
@@ -239,6 +247,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 logit_bias=self.logit_bias(req),
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
@@ -277,6 +286,53 @@ class OpenAIServing:
         except BaseException:
             await stream.aclose()
             raise
+
+
+_GUIDED_FIELDS = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # fmt: skip
+
+
+def requested_structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for through ``response_format``,
+    ``structured_outputs`` or a ``guided_*`` field (400 if more than one, or malformed).
+    Whether the schema or grammar itself is valid, the engine decides (also a 400)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(
+                400, "response_format of type json_schema needs json_schema.schema",
+                param="response_format",
+            )
+        found.append(("response_format", {"json": fmt.json_schema.schema_}))
+    so = req.structured_outputs
+    if so is not None:
+        fields = {
+            "json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+            "json_object": so.json_object, "disable_any_whitespace": so.disable_any_whitespace,
+        }  # fmt: skip
+        found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(
+            400, f"give at most one structured-output constraint; got {names}",
+            param=found[1][0],
+        )
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, f"{name}: {exc}", param=name) from exc
 
 
 async def _tag(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,0 +1,172 @@
+"""Structured outputs: the grammar engine (llguidance) behind constrained decoding.
+
+A constrained request's output must stay inside a grammar: a JSON schema, any JSON object,
+a regex, a choice of strings, or a Lark/GBNF grammar. llguidance turns each into a matcher
+that, given the tokens accepted so far, says which tokens may come next as a bitmask over
+the vocabulary (bit ``t % 32`` of word ``t // 32``), which the sampler applies to the
+logits of the constrained rows only.
+
+Off the engine's critical path:
+  * checking a schema or grammar (``GrammarCompiler.check``) is a parse without the
+    tokenizer, a millisecond or so, cached by key; it runs in ``add_request`` so that a
+    bad schema is a ``ValueError`` (a 400) and never reaches the scheduler;
+  * building the matcher against the tokenizer (and, once, llguidance's view of the
+    tokenizer, about a second for a large vocabulary) runs in a thread pool; the request
+    waits outside the scheduler until its future is done (``LLMEngine``). Matchers are
+    cached by the constraint's key and each sequence gets a cheap copy;
+  * the per-step masks of all constrained rows are filled by llguidance's own thread pool
+    with the GIL released (``fill_bitmask``), after the step's forward pass has been queued
+    on the GPU, so on a GPU the fill overlaps the forward pass.
+
+A sequence's matcher has consumed exactly its known output tokens. Constrained rows make
+their step synchronous (like penalties): the mask for step n+1 needs step n's token, so it
+is never left pending on the device. Preemption keeps a sequence's tokens, so its matcher
+stays valid through recomputation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from inference.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Distinct constraints whose matchers stay cached (a service usually sees a few schemas).
+_CACHE_SIZE = 256
+# Threads that build matchers: building is seldom long, but one huge grammar must not
+# hold up every other constrained request.
+_COMPILE_THREADS = 2
+
+
+def grammar_source(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for ``spec``; raises ValueError, naming the constraint,
+    when the schema, regex or grammar is invalid."""
+    import llguidance
+
+    kind = spec.kinds()[0]
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    try:
+        if kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        elif kind == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=options
+            )
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        elif kind == "choice":
+            # JSON string literals are valid Lark literals, escapes included.
+            lark = "start: " + " | ".join(json.dumps(c) for c in spec.choice or [])
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        else:
+            # Lark as llguidance reads it, or llama.cpp's GBNF (converted to Lark).
+            grammar = llguidance.grammar_from("grammar", spec.grammar or "")
+    except ValueError as exc:
+        raise ValueError(f"invalid structured output {_NAMES[kind]}: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"invalid structured output {_NAMES[kind]}: {error.strip()}")
+    return grammar
+
+
+_NAMES = {
+    "json": "JSON schema", "json_object": "JSON object", "regex": "regex",
+    "choice": "choice", "grammar": "grammar",
+}  # fmt: skip
+
+
+class GrammarCompiler:
+    """Builds and caches matchers for one tokenizer; fills the batched bitmask."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._hf_tokenizer = tokenizer
+        self._eos_token_ids = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._tokenizer: Future | None = None  # llguidance's tokenizer, built once
+        self._sources: OrderedDict[tuple, str] = OrderedDict()  # checked grammar texts
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()  # matcher templates
+        self._executor: Any = None  # llguidance's thread pool for batched mask fills
+
+    def check(self, spec: StructuredOutputsParams) -> str:
+        """Validate ``spec`` (ValueError if invalid); returns its grammar text. A
+        constraint already seen costs a dictionary look-up."""
+        if self._hf_tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, which it lacks")
+        key = spec.key()
+        with self._lock:
+            source = self._sources.get(key)
+            if source is not None:
+                self._sources.move_to_end(key)
+                return source
+        source = grammar_source(spec)
+        with self._lock:
+            self._sources[key] = source
+            while len(self._sources) > _CACHE_SIZE:
+                self._sources.popitem(last=False)
+        return source
+
+    def matcher(self, spec: StructuredOutputsParams, grammar: str) -> Future:
+        """A future of a fresh matcher template for ``spec`` (copy it per sequence)."""
+        key = spec.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception()):
+                self._cache.move_to_end(key)
+                return future
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
+            future = self._pool.submit(self._build_matcher, grammar)
+            self._cache[key] = future
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _build_tokenizer(self) -> Any:
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(
+            self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+        )
+
+    def _build_matcher(self, grammar: str) -> Any:
+        import llguidance
+
+        assert self._tokenizer is not None
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output: {matcher.get_error()}")
+        return matcher
+
+    def fill_bitmask(self, matchers: SequenceABC[Any]) -> np.ndarray:
+        """[len(matchers), words] int32: each matcher's allowed next tokens. Releases the
+        GIL while llguidance computes (in parallel for more than one row)."""
+        import llguidance.numpy as llg_numpy
+
+        bitmask = np.empty((len(matchers), self.num_words), dtype=np.int32)
+        if len(matchers) == 1:
+            llg_numpy.fill_next_token_bitmask(matchers[0], bitmask, 0)
+            return bitmask
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        llg_numpy.fill_next_token_bitmask_par(
+            self._executor, [(m, row) for row, m in enumerate(matchers)], bitmask
+        )
+        return bitmask
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
