@@ -247,6 +247,9 @@ class EngineCore:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
             engine.delta_outputs = True  # each step's outputs: only what is new
+            grammars = getattr(engine, "grammars", None)
+            if grammars is not None:
+                grammars.prepare()  # structured outputs' tokenizer view, in the background
             # What exists now (model, tokenizer, caches) lives for the whole process: keep it
             # out of the cyclic collector, whose full passes would otherwise stall steps.
             gc.collect()

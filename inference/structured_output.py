@@ -118,6 +118,14 @@ class GrammarCompiler:
                 self._sources.popitem(last=False)
         return source
 
+    def prepare(self) -> None:
+        """Start building llguidance's view of the tokenizer in the background (the
+        server does, once ready), so that the first constrained request does not wait
+        for it."""
+        with self._lock:
+            if self._tokenizer is None and self._hf_tokenizer is not None:
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
+
     def matcher(self, spec: StructuredOutputsParams, grammar: str) -> Future:
         """A future of a fresh matcher template for ``spec`` (copy it per sequence)."""
         key = spec.key()

@@ -1,0 +1,151 @@
+"""Tool-call parsers on hand-written model outputs, whole and streamed in every split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference.server.protocol import ChatMessage, message_dicts
+from inference.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+)
+
+
+def calls_of(parser: ToolParser, text: str):
+    content, calls = parser.parse(text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def streamed(parser: ToolParser, text: str, piece: int):
+    """Feed ``text`` in pieces of ``piece`` characters; (content, calls) as a client
+    that concatenates the deltas sees them."""
+    stream = parser.stream()
+    content, calls = "", {}
+    pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
+    steps = [stream.feed(p) for p in pieces] + [stream.finish()]
+    for delta_content, deltas in steps:
+        content += delta_content
+        for delta in deltas:
+            entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            if delta.id is not None:
+                assert entry["id"] is None, "a call's id is sent once"
+                entry["id"], entry["name"] = delta.id, delta.name
+            entry["arguments"] += delta.arguments
+    assert all(c["id"] and c["id"].startswith("chatcmpl-tool-") for c in calls.values())
+    ordered = [calls[i] for i in sorted(calls)]
+    return content, [(c["name"], json.loads(c["arguments"])) for c in ordered]
+
+
+HERMES_CASES = [
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+        "</tool_call>",
+        None,
+        [("get_weather", {"city": "Paris", "unit": "c"})],
+    ),
+    (
+        'Let me check both.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"s": "</tool"}}\n</tool_call>',
+        "Let me check both.",
+        [("a", {"x": 1}), ("b", {"s": "</tool"})],
+    ),
+    # Cut off before its closing tag (max_tokens at the very end): still a call.
+    ('<tool_call>\n{"name": "a", "arguments": {}}', None, [("a", {})]),
+    ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
+    # Not JSON inside the tags: the text as written, no calls.
+    ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES_CASES)
+def test_hermes(text, content, calls):
+    assert calls_of(HermesToolParser(), text) == (content, calls)
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES_CASES)
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_hermes_streamed(text, content, calls, piece):
+    streamed_content, streamed_calls = streamed(HermesToolParser(), text, piece)
+    assert streamed_calls == calls
+    # Streaming sends all text outside the calls (vLLM's non-streamed content is trimmed).
+    assert streamed_content.strip() == (content or "").strip()
+
+
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", {"city": "Oslo"})]),
+    ('<|python_tag|>{"name": "a", "parameters": {"n": [1, 2]}}; {"name": "b", "arguments": {}}',
+     None, [("a", {"n": [1, 2]}), ("b", {})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"name": "broken", "parameters": ', '{"name": "broken", "parameters": ', []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA_CASES)
+def test_llama3_json(text, content, calls):
+    assert calls_of(Llama3JsonToolParser(), text) == (content, calls)
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA_CASES)
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_llama3_json_streamed(text, content, calls, piece):
+    streamed_content, streamed_calls = streamed(Llama3JsonToolParser(), text, piece)
+    assert streamed_calls == calls
+    assert (streamed_content or None) == content
+
+
+def test_required_array():
+    text = '[{"name": "a", "parameters": {"q": "x}]"}}, {"name": "b", "parameters": {}}]'
+    expected = [("a", {"q": "x}]"}), ("b", {})]
+    assert calls_of(RequiredToolParser(), text) == (None, expected)
+    for piece in (1, 5, 1000):
+        assert streamed(RequiredToolParser(), text, piece) == ("", expected)
+    # Cut short by max_tokens: the text comes back as content.
+    assert RequiredToolParser().parse('[{"name": "a"') == ('[{"name": "a"', [])
+
+
+def test_named_function_streams_its_arguments():
+    parser = NamedToolParser("lookup")
+    text = '{"term": "llama", "limit": 3}'
+    assert calls_of(parser, text) == (None, [("lookup", {"term": "llama", "limit": 3})])
+    stream = parser.stream()
+    first = stream.feed(text[:5])[1]
+    assert first[0].name == "lookup" and first[0].arguments == text[:5]
+    rest = stream.feed(text[5:])[1]
+    assert rest[0].id is None and rest[0].arguments == text[5:]
+    assert streamed(parser, text, 2) == ("", [("lookup", {"term": "llama", "limit": 3})])
+
+
+def test_tool_messages_reach_the_chat_template():
+    """An assistant's tool calls (arguments as objects, as templates expect) and the tool
+    results are kept, not dropped."""
+    messages = [
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }]),
+        ChatMessage(role="tool", content="18 C, sunny", tool_call_id="call_1"),
+    ]
+    dicts = message_dicts(messages)
+    assert dicts[1]["tool_calls"] == [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }]
+    assert dicts[2] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+    from jinja2 import Template
+
+    template = Template(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call {{ c.id }}>{{ c.function.name }}"
+        "{{ c.function.arguments | tojson }}{% endfor %}"
+        "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    )
+    text = template.render(messages=dicts)
+    assert '<call call_1>get_weather{"city": "Paris"}' in text
+    assert "<tool>18 C, sunny[call_1]" in text
