@@ -71,9 +71,12 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
         else:
             # Lark as llguidance reads it, or llama.cpp's GBNF (converted to Lark).
             grammar = llguidance.grammar_from("grammar", spec.grammar or "")
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the input is bad
         raise ValueError(f"invalid structured output {_NAMES[kind]}: {exc}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc) or type(exc).__name__
     if error:
         raise ValueError(f"invalid structured output {_NAMES[kind]}: {error.strip()}")
     return grammar

@@ -230,20 +230,27 @@ def test_abort_while_grammar_is_built(llm):
     assert engine.stats().num_waiting == 0
 
 
-def test_outputs_stay_valid_under_preemption():
+def test_outputs_stay_valid_under_preemption(tmp_path):
     """Recomputation after preemption keeps a sequence's tokens, so its matcher (which has
-    consumed exactly those) stays in step with it."""
-    from inference.model_files import ensure_default_model
-
-    schema = SCHEMAS["ref"]
-    # Four blocks of 16 tokens for four sequences of about 30: preemption is certain.
-    with LLM(str(ensure_default_model()), max_model_len=64, device="cpu", block_size=16,
-             num_kv_blocks=4, max_num_seqs=4) as llm:
-        params = [constrained(max_tokens=48, temperature=0.7, disable_any_whitespace=True,
+    consumed exactly those) stays in step with it. A tiny random model: fast, and its
+    choices are anything but JSON-like, so the grammar does all the work."""
+    build_tiny_model(tmp_path, "llama")
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["alpha", "beta"]},
+                       "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "ok": {"type": "boolean"}},
+        "required": ["kind", "n", "ok"],
+        "additionalProperties": False,
+    }
+    # Six blocks of 8 tokens for four sequences of about 35: preemption is certain.
+    with LLM(str(tmp_path), max_model_len=48, device="cpu", block_size=8, num_kv_blocks=6,
+             max_num_seqs=4) as llm:
+        params = [constrained(max_tokens=40, temperature=1.0, disable_any_whitespace=True,
                               json=schema) for _ in range(4)]
         for seed, p in enumerate(params):
             p.seed = seed
-        outputs = llm.generate(["A line segment as JSON:"] * 4, params, use_tqdm=False)
+        outputs = llm.generate(["the cat sat"] * 4, params, use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0
     for output in outputs:
         assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
