@@ -28,7 +28,8 @@ import json
 import statistics
 import time
 
-from inference.bench.common import SHAPES, random_prompts, record, resolve_bench_model, write_json
+from inference.bench.common import random_prompts, record, write_json
+from inference.model_shapes import SHAPES, resolve_shape_model
 
 SCHEMA = {
     "type": "object",
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from inference import LLM
     from inference.model_files import ensure_default_model
 
-    folder, extra = resolve_bench_model(args.model)
+    folder, extra = resolve_shape_model(args.model)
     tokenizer = args.tokenizer
     if folder == "default":
         folder = str(ensure_default_model())

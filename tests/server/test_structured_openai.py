@@ -10,11 +10,13 @@ import re
 import jsonschema
 import openai
 import pytest
+from pydantic import ValidationError
 from server_harness import ServerThread
 
 from inference.server.chat import ChatServing
 from inference.server.errors import APIError
 from inference.server.protocol import ChatCompletionRequest
+from inference.server.tool_parsers import HermesToolParser
 
 MODEL = "smollm2"
 PERSON = {
@@ -53,7 +55,7 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}
 def server(smol_model):
     server = ServerThread(
         smol_model, served_model_names=[MODEL], max_model_len=512, num_kv_blocks=128,
-        tool_call_parser="hermes", enable_auto_tool_choice=True,
+        app_kwargs={"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
     ).start()
     yield server
     server.stop()
@@ -232,7 +234,7 @@ def _plan(serving: ChatServing, **body):
 
 def test_tool_choice_validation():
     plain = ChatServing(None, [MODEL])
-    with pytest.raises(APIError, match="tool_choice needs tools"):
+    with pytest.raises(ValidationError, match="tool_choice"):
         _plan(plain, tool_choice="required")
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         _plan(plain, tools=TOOLS)
@@ -245,3 +247,5 @@ def test_tool_choice_validation():
     assert required.constraint.json["maxItems"] == 1
     with pytest.raises(ValueError, match="unknown tool call parser"):
         ChatServing(None, [MODEL], tool_call_parser="mistral")
+    hermes = ChatServing(None, [MODEL], tool_call_parser="hermes", enable_auto_tool_choice=True)
+    assert isinstance(_plan(hermes, tools=TOOLS).parser, HermesToolParser)
