@@ -154,6 +154,12 @@ def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """[R, W] int32 words -> [R, 32 W] booleans, bit t % 32 of word t // 32 at column t."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+
+
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]
 ) -> torch.Tensor:
@@ -161,16 +167,20 @@ def apply_token_bitmask(
     other rows untouched. ``rows`` ascend; tokens past the bitmask's width are forbidden."""
     vocab_size = logits.shape[-1]
     device = logits.device
-    words = _to_device(torch.from_numpy(bitmask), torch.int32, device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if device.type == "cpu":
+        # One pass over the bits (bit order within the little-endian words is token order).
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_))
+    else:
+        # Only the packed words cross to the device (32 times less than a boolean mask).
+        allowed = unpack_bits(_to_device(torch.from_numpy(bitmask), torch.int32, device))
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    allowed = allowed[:, :vocab_size]
+    forbidden = ~allowed[:, :vocab_size]
     if len(rows) == logits.shape[0]:
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(forbidden, float("-inf"))
     index = _to_device(torch.tensor(rows, dtype=torch.int64), torch.int64, device)
-    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    masked = logits.index_select(0, index).masked_fill(forbidden, float("-inf"))
     return logits.index_copy(0, index, masked)
 
 

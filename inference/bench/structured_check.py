@@ -15,10 +15,13 @@ Two measurements at each batch size (default 1 and 64):
             Constrained steps run synchronously (the next mask needs this step's token), so
             the difference includes the lost overlap of host and device work.
 
-The mask's cost grows with the tokenizer's vocabulary: the default model is the embedded
-SmolLM2-135M-Instruct (49,152 tokens). ``--model`` takes a model folder or a named shape
-(random weights) and ``--tokenizer`` a tokenizer folder (default: the embedded model's, for
-named shapes). Runs on CUDA and on CPU.
+The mask's cost depends on the tokenizer (its size and its tokens): the default model is
+the embedded SmolLM2-135M-Instruct (49,152 tokens). ``--model`` takes a model folder or a
+named shape (random weights) and ``--tokenizer`` a tokenizer folder. Where the embedded model
+is not installed (a GPU machine without network) and no tokenizer is given, the Qwen2.5-1.5B
+shape runs with a byte-level BPE tokenizer of ``--synthetic-vocab`` tokens trained here on
+JSON and prose (said so in the results): representative in kind, not of one real model.
+Runs on CUDA and on CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +65,34 @@ def _documents(count: int) -> list[str]:
             "score": 0.5,
         }, indent=2 if i % 2 else None))
     return docs
+
+
+def synthetic_tokenizer(folder: str, vocab_size: int) -> str:
+    """A byte-level BPE tokenizer trained on generated JSON and prose, saved in ``folder``."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 10))) for _ in range(40_000)]
+    corpus = [" ".join(rng.choices(words, k=40)) for _ in range(4_000)] + _documents(2_000)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _embedded_model() -> str | None:
+    from inference.model_files import ensure_default_model
+
+    try:
+        return str(ensure_default_model())
+    except Exception:  # noqa: BLE001 - not installed: the caller falls back
+        return None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -127,12 +158,15 @@ def _decode_steps(engine, prompts: list[list[int]], params) -> list[float]:
 def measure_step(engine, batch: int, input_len: int, output_len: int) -> dict:
     from inference import SamplingParams, StructuredOutputsParams
 
-    vocab = engine.model_config.vocab_size
-    plain = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # Prompts the tokenizer can read (a named shape's vocabulary may be larger); no
+    # detokenizing: random-weight models pick ids past a smaller tokenizer's end.
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    plain = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                           detokenize=False)
     # Letters and spaces for longer than output_len tokens can spell: ends by length.
     regex = StructuredOutputsParams(regex=f"[a-z ]{{{output_len * 16}}}")
     constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                 structured_outputs=regex)
+                                 detokenize=False, structured_outputs=regex)
     results = {}
     for name, params in (("plain", plain), ("constrained", constrained)) * 2:
         prompts = random_prompts(batch, input_len, vocab, seed=batch + len(results))
@@ -157,20 +191,37 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--synthetic-vocab", type=int, default=32_000,
+                        help="size of the trained fallback tokenizer (see the module doc)")
     parser.add_argument("--out", default=None, help="write the results here (JSON)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference import LLM
-    from inference.model_files import ensure_default_model
+    import tempfile
 
-    folder, extra = resolve_shape_model(args.model)
-    tokenizer = args.tokenizer
-    if folder == "default":
-        folder = str(ensure_default_model())
-    elif args.model in SHAPES and tokenizer is None:
-        tokenizer = str(ensure_default_model())
+    from inference import LLM
+
+    model, tokenizer, tokenizer_kind = args.model, args.tokenizer, "the model's"
+    if model == "default":
+        embedded = _embedded_model()
+        if embedded is None and tokenizer is None:
+            model = "qwen2.5-1.5b"
+            tokenizer = synthetic_tokenizer(tempfile.mkdtemp(prefix="pagoda-bpe-"),
+                                            args.synthetic_vocab)
+            tokenizer_kind = f"synthetic byte-level BPE ({args.synthetic_vocab})"
+            print("the embedded model is not installed: qwen2.5-1.5b shape with a "
+                  f"{tokenizer_kind} tokenizer", flush=True)
+        elif embedded is not None:
+            model = embedded
+    if tokenizer is not None and tokenizer_kind == "the model's":
+        tokenizer_kind = tokenizer
+    elif model in SHAPES and tokenizer is None:
+        tokenizer = _embedded_model()
+        tokenizer_kind = "SmolLM2's"
+        if tokenizer is None:
+            raise SystemExit(f"{model} has no tokenizer: pass --tokenizer FOLDER")
+    folder, extra = resolve_shape_model(model)
     batches = sorted(args.batch_size)
     llm = LLM(folder, tokenizer=tokenizer, device=args.device, max_num_seqs=max(batches),
               max_model_len=args.input_len + args.output_len + 8, **extra)
@@ -179,11 +230,12 @@ def run(args: argparse.Namespace) -> int:
     for batch in batches:
         mask = measure_mask(engine, batch)
         step = measure_step(engine, batch, args.input_len, args.output_len)
-        rows.append(record("structured_check", model=args.model, device=str(engine.device),
+        rows.append(record("structured_check", model=model if model in SHAPES else args.model,
+                           tokenizer=tokenizer_kind, device=str(engine.device),
                            vocab_size=engine.model_config.vocab_size, **mask, **step))
     write_json(args.out, rows)
-    print(f"\nstructured outputs on {engine.device} ({args.model}, vocab "
-          f"{engine.model_config.vocab_size}); times in ms per step")
+    print(f"\nstructured outputs on {engine.device} ({model}, model vocab "
+          f"{engine.model_config.vocab_size}, tokenizer {tokenizer_kind}); ms per step")
     print(f"{'batch':>5} {'fill mean':>10} {'fill p99':>9} {'apply':>7} "
           f"{'step plain':>11} {'step constr.':>13} {'overhead':>9}")
     for r in rows:
