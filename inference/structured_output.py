@@ -92,8 +92,10 @@ class GrammarCompiler:
     """Builds and caches matchers for one tokenizer; fills the batched bitmask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.vocab_size = vocab_size
-        self.num_words = (vocab_size + 31) // 32
+        # The mask spans the model's vocabulary (often padded past the tokenizer's) or the
+        # tokenizer's, whichever is larger; the sampler cuts it to the logits' width.
+        self.vocab_size = max(vocab_size, len(tokenizer)) if tokenizer is not None else vocab_size
+        self.num_words = (self.vocab_size + 31) // 32
         self._hf_tokenizer = tokenizer
         self._eos_token_ids = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
@@ -148,9 +150,11 @@ class GrammarCompiler:
     def _build_tokenizer(self) -> Any:
         import llguidance.hf
 
-        return llguidance.hf.from_tokenizer(
-            self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
-        )
+        # Stop ids the tokenizer does not have (a model config's, say) cannot end a
+        # grammar; without any, llguidance takes the tokenizer's own EOS.
+        size = len(self._hf_tokenizer)
+        eos = [t for t in self._eos_token_ids if t < size] or None
+        return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
 
     def _build_matcher(self, grammar: str) -> Any:
         import llguidance

@@ -11,6 +11,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 from tiny_models import build_tiny_model
 
@@ -278,3 +279,23 @@ def test_tensor_parallel_constrained_tokens_match_single_rank(tmp_path):
     assert runs[0] == runs[1]
     assert re.fullmatch(pattern, texts[0]) or outs[0].outputs[0].finish_reason == "length"
     assert texts[1] in ("alpha", "beta")
+
+
+def test_stop_ids_the_tokenizer_lacks_do_not_break_grammars(tmp_path):
+    """A model config's EOS past the tokenizer's end (a padded vocabulary, a borrowed
+    tokenizer): the grammar ends on the tokenizer's own EOS instead of failing."""
+    from tiny_models import build_tokenizer
+
+    from inference.structured_output import GrammarCompiler
+
+    tokenizer = build_tokenizer(tmp_path)
+    compiler = GrammarCompiler(tokenizer, 1000, [5000])
+    spec = StructuredOutputsParams(choice=["the cat"])
+    matcher = compiler.matcher(spec, compiler.check(spec)).result()
+    for token_id in tokenizer.encode("the cat", add_special_tokens=False):
+        assert matcher.consume_token(token_id)
+    bitmask = compiler.fill_bitmask([matcher])
+    assert bitmask.shape == (1, 1000 // 32 + 1)
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+    assert allowed.tolist() == [tokenizer.eos_token_id]
+    compiler.close()
