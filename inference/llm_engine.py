@@ -49,7 +49,7 @@ from inference.sampler import (
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus
-from inference.structured_output import GrammarCompiler
+from inference.structured_output import GrammarCompiler, grammar_ended
 
 logger = logging.getLogger(__name__)
 
@@ -462,24 +462,11 @@ class LLMEngine:
         if detok is not None and (not stop_token or p.include_stop_str_in_output):
             num_new_chars = len(detok.add(token_id))
         finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
-        if seq.grammar is not None and self._grammar_ended(seq, token_id) and finish is None:
+        if seq.grammar is not None and grammar_ended(seq.grammar, token_id) and finish is None:
             finish, reason = "stop", None
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, reason
             self.scheduler.finish(seq)
-
-    def _grammar_ended(self, seq: Sequence, token_id: int) -> bool:
-        """Advance the sequence's matcher by its new token; True once the grammar admits
-        no more tokens (its output is complete)."""
-        matcher = seq.grammar
-        if not matcher.consume_token(token_id):
-            # Only a sampler bug could pick a masked token; never return unchecked output.
-            logger.error(
-                "request %s: token %d rejected by its grammar: %s", seq.request_id, token_id,
-                matcher.get_error(),
-            )
-            return True
-        return matcher.is_stopped()
 
     def _check_stop(
         self, seq: Sequence, token_id: int, stop_token: bool, detok, num_new_chars: int

@@ -88,6 +88,16 @@ _NAMES = {
 }  # fmt: skip
 
 
+def grammar_ended(matcher: Any, token_id: int) -> bool:
+    """Advance a sequence's matcher by its new token; True once the grammar admits no more
+    tokens (the output is complete)."""
+    if not matcher.consume_token(token_id):
+        # Only a sampler bug could pick a masked token; never return unchecked output.
+        logger.error("token %d rejected by the grammar: %s", token_id, matcher.get_error())
+        return True
+    return matcher.is_stopped()
+
+
 class GrammarCompiler:
     """Builds and caches matchers for one tokenizer; fills the batched bitmask."""
 
