@@ -16,8 +16,9 @@ import sys
 
 def _chat(args: argparse.Namespace) -> int:
     from inference import LLM, SamplingParams
+    from inference.config import engine_kwargs
 
-    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     out = llm.chat([{"role": "user", "content": args.question}], params, use_tqdm=False)[0]
     print(f"> {args.question}\n{out.outputs[0].text.strip()}")
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from inference.bench.latency import add_latency_args, run_latency
     from inference.bench.serve import add_bench_serve_args, run_bench_serve
     from inference.bench.throughput import add_throughput_args, run_throughput
+    from inference.config import add_engine_args
     from inference.download import add_download_args, run_download
     from inference.server.cli_serve import add_serve_args, run_serve
 
@@ -60,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="answer one question with the offline API")
     chat.add_argument("question", nargs="?", default="What is the capital of France?")
     chat.add_argument("--model", default="default")
-    chat.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    chat.add_argument("--max-model-len", type=int, default=2048)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(chat, exclude=("served_model_name",))
+    chat.set_defaults(max_model_len=2048)  # one short answer: a small KV cache starts fast
     chat.set_defaults(func=_chat)
 
     add_download_args(

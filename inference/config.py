@@ -1,40 +1,90 @@
-"""Every engine knob in one place, validated before anything is loaded.
+"""Every engine setting in one place: its type, default, check and command-line flag.
 
-Names follow vLLM's engine arguments, so ``LLM(model, **kwargs)``, ``pagoda serve`` flags
-and the operator's LLMDeployment fields map one to one.
+``EngineConfig`` is the one declaration. Each field's metadata carries its flag (vLLM's
+spelling, so ``LLM(model, **kwargs)``, ``pagoda serve`` flags and the operator's
+LLMDeployment fields map one to one), help text and choices; ``add_engine_args`` turns
+them into argparse arguments for every command line (serve, bench, chat), and
+``engine_kwargs`` reads the given ones back. A flag a user leaves out is absent from the
+kwargs, so its default is the dataclass's and nowhere else.
+
+``EngineConfig.resolve`` fills what depends on the model and the device (lengths, batch
+limits) into a new frozen ``ResolvedEngineConfig``, which the engine and everything below
+it read; the user's config is never written to (as vLLM V1 resolves one ``VllmConfig``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from inference.models.config import ModelConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 
+# Batch limits when none are given: what an H100/H200-class card sustains (measured in
+# inference/bench/results), and what a CPU steps through without long stalls.
+DEFAULT_MAX_NUM_SEQS = {"cuda": 1024, "cpu": 256}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
 
-@dataclass
+
+def _flag(help: str, *, choices: tuple[str, ...] | None = None,
+          aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Field metadata: the command-line side of a setting (the flag is the field's name
+    in kebab case, as vLLM spells it; bools get ``--x/--no-x``)."""
+    return {"help": help, "choices": choices, "aliases": aliases}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
-    # None: 1024 sequences and 16384 tokens a step on a GPU (what an H100/H200-class card
-    # sustains; measured in inference/bench/results), 256 and 2048 on CPU.
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None  # None: from the model's config
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    dtype: str = "auto"
-    seed: int = 0
-    device: str = "auto"  # auto | cuda | cpu
-    num_kv_blocks: int | None = None  # pin the KV-cache size (blocks); None: size from memory
-    cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where there is no memory profile
-    load_format: str = "auto"  # auto: safetensors from the folder; dummy: random weights
+    tokenizer: str | None = field(
+        default=None, metadata=_flag("tokenizer folder (default: the model's own)"))
+    served_model_name: str | None = None  # each CLI names the model its own way
+    tensor_parallel_size: int = field(
+        default=1, metadata=_flag("GPUs to shard the model over (1, 2, 4 or 8)",
+                                  aliases=("-tp",)))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_flag("fraction of GPU memory for weights, activations and "
+                                    "the KV cache"))
+    max_num_seqs: int | None = field(
+        default=None, metadata=_flag(
+            "most sequences in one step (default: 1024 on a GPU, 256 on CPU, and never "
+            "above --max-num-batched-tokens)"))
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata=_flag(
+            "token budget of one step; longer prompts are prefilled in chunks (default: "
+            "16384 on a GPU, 2048 on CPU, and never below --max-num-seqs)"))
+    block_size: int = field(
+        default=16, metadata=_flag("tokens per KV-cache block (a power of two up to 256)"))
+    max_model_len: int | None = field(
+        default=None, metadata=_flag("longest prompt plus output (default: the model's limit)"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_flag("reuse the KV cache of shared prompt prefixes"))
+    enforce_eager: bool = field(
+        default=False, metadata=_flag("no CUDA graphs (faster start-up, slower decode)"))
+    dtype: str = field(
+        default="auto", metadata=_flag("weight and activation dtype (auto: the model's, "
+                                       "float32 on CPU)", choices=_DTYPES))
+    seed: int = field(default=0, metadata=_flag("random seed of the engine"))
+    device: str = field(
+        default="auto", metadata=_flag("where the engine runs (auto: a GPU when there is one)",
+                                       choices=("auto", "cuda", "cpu")))
+    num_kv_blocks: int | None = field(
+        default=None, metadata=_flag("pin the KV-cache size in blocks (default: size it "
+                                     "from free memory)"))
+    cpu_kv_cache_gib: float = field(
+        default=2.0, metadata=_flag("KV-cache budget on CPU, where there is no memory "
+                                    "profile (GiB)"))
+    load_format: str = field(
+        default="auto", metadata=_flag("auto: safetensors from the folder; dummy: random "
+                                       "weights (implied for the named benchmark shapes)",
+                                       choices=("auto", "dummy")))
     # Launch step n+1 before step n's sampled tokens reach the host, so that host work
     # overlaps the GPU's (one wasted token of compute when a sequence stops early).
-    async_scheduling: bool = True
+    async_scheduling: bool = field(
+        default=True, metadata=_flag("schedule step n+1 while step n runs on the GPU"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,6 +98,36 @@ class EngineConfig:
                 f"unknown engine argument(s) {unknown}; known: {sorted(known - {'model'})}"
             )
         return cls(model=model, **kwargs)
+
+    def resolve(self, model_config: ModelConfig, device_type: str) -> ResolvedEngineConfig:
+        """This config with the model's and the device's limits filled in.
+
+        ValueError if ``max_model_len`` exceeds what the model can attend to. A batch limit
+        left out defers to the other one given: a small token budget lowers the default
+        ``max_num_seqs`` to it (a step could not hold more sequences anyway), and a large
+        ``max_num_seqs`` raises the default budget to it."""
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window:
+            limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay inside it
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} tokens"
+            )
+        on = "cuda" if device_type == "cuda" else "cpu"
+        max_num_seqs = self.max_num_seqs
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_seqs is None:
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[on],
+                               max_num_batched_tokens or DEFAULT_MAX_NUM_SEQS[on])
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[on], max_num_seqs)
+        given = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return ResolvedEngineConfig(**{
+            **given,
+            "max_model_len": self.max_model_len or limit,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        })
 
     def validate(self) -> None:
         if self.tensor_parallel_size not in (1, 2, 4, 8):
@@ -67,6 +147,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            # As vLLM: a step schedules at least one token per running sequence.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -77,3 +164,51 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedEngineConfig(EngineConfig):
+    """An ``EngineConfig`` after ``resolve``: the lengths and batch limits are numbers."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def add_engine_args(parser: argparse.ArgumentParser,
+                    exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """One flag per ``EngineConfig`` field that has flag metadata, less ``exclude``.
+
+    Every flag defaults to None (not given), so that ``engine_kwargs`` leaves the default
+    to ``EngineConfig``; the help text shows that default. A command line that wants
+    another default says so with ``parser.set_defaults``."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        if "help" not in f.metadata or f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if f.default not in (None, MISSING):
+            help_text += f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if f.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _ARG_TYPES[str(f.type)]
+            if f.metadata["choices"]:
+                kwargs["choices"] = f.metadata["choices"]
+        group.add_argument(flag, *f.metadata["aliases"], **kwargs)
+    return parser
+
+
+_ARG_TYPES = {"str | None": str, "str": str, "int": int, "int | None": int,
+              "float": float, "float | None": float}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings given on a command line built by ``add_engine_args``."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in fields(EngineConfig)
+        if "help" in f.metadata and getattr(args, f.name, None) is not None
+    }

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.config import EngineConfig
+from inference.config import EngineConfig, ResolvedEngineConfig
 from inference.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class EngineInfo:
     """What the server needs to know about the loaded engine (no torch objects)."""
 
-    config: EngineConfig  # resolved: max_model_len, max_num_seqs, ... filled in
+    config: ResolvedEngineConfig
     model_name: str
     tokenizer_path: str | None
     vocab_size: int | None

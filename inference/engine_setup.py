@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from inference.config import EngineConfig
+from inference.config import EngineConfig, ResolvedEngineConfig
 from inference.model_runner import ModelRunner
 from inference.models.config import ModelConfig
 
@@ -73,24 +73,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
-def resolve_lengths(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside it
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
-        )
-    on_gpu = device.type == "cuda"
-    if config.max_num_seqs is None:
-        config.max_num_seqs = 1024 if on_gpu else 256
-    if config.max_num_batched_tokens is None:
-        config.max_num_batched_tokens = 16384 if on_gpu else 2048
-
-
-def check_capacity(config: EngineConfig, num_blocks: int) -> None:
+def check_capacity(config: ResolvedEngineConfig, num_blocks: int) -> None:
     capacity = num_blocks * config.block_size
     if capacity < config.max_model_len:
         raise ValueError(

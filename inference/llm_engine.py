@@ -33,7 +33,6 @@ from inference.engine_setup import (
     make_runner,
     resolve_device,
     resolve_dtype,
-    resolve_lengths,
 )
 from inference.model_files import load_tokenizer, resolve_model
 from inference.model_runner import StepHandle
@@ -105,7 +104,6 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_path = resolve_model(config.model)
         self.model_name = config.served_model_name or self.model_path.name
         self.model_config = ModelConfig.from_folder(self.model_path)
@@ -116,7 +114,7 @@ class LLMEngine:
         self.device = resolve_device(config)
         check_tensor_parallel(config, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        resolve_lengths(config, self.model_config, self.device)
+        self.config = config = config.resolve(self.model_config, self.device.type)
         torch.manual_seed(config.seed)
 
         # One GPU: the model runs in this process. Tensor parallel: worker processes hold

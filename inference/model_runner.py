@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference.config import EngineConfig
+from inference.config import ResolvedEngineConfig
 from inference.distributed.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.models.config import ModelConfig
@@ -38,7 +38,7 @@ _GIB = 1 << 30
 class ModelRunner:
     def __init__(
         self,
-        config: EngineConfig,
+        config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
         device: torch.device,

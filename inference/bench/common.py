@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inference import config
 from inference.model_shapes import SHAPES
 
 
@@ -75,37 +76,17 @@ def bench_main(add_args, run, prog: str, argv: list[str] | None = None) -> int:
 
 
 def add_engine_args(parser) -> None:
+    """The model (a folder or a named shape) and every engine flag of ``pagoda serve``."""
     parser.add_argument("--model", default="qwen2.5-1.5b",
                         help=f"model folder or a named shape: {', '.join(SHAPES)}")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="complete each step before scheduling the next")
+    config.add_engine_args(parser, exclude=("served_model_name",))
     parser.add_argument("--output-json", default=None)
 
 
 def engine_kwargs(args, max_len_needed: int) -> dict[str, Any]:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len or max_len_needed,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        enforce_eager=args.enforce_eager,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
-        async_scheduling=not args.no_async_scheduling,
-    )
+    """The engine settings given, with the bench's own default for max_model_len: just
+    what the workload needs, so that the KV cache is not sized for the model's limit."""
+    return config.engine_kwargs(args) | {"max_model_len": args.max_model_len or max_len_needed}
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

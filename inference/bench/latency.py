@@ -60,14 +60,15 @@ def run_latency(args: argparse.Namespace) -> int:
 
     folder, extra = resolve_shape_model(args.model)
     max_out = max(args.output_len)
-    llm = LLM(folder, **engine_kwargs(args, args.input_len + max_out), **extra)
+    llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + max_out)))
     vocab = llm.engine.model_config.vocab_size
     results = []
     for output_len in args.output_len:
         for batch in args.batch_size:
             result = _measure(llm, vocab, batch, args.input_len, output_len, args.num_iters)
             results.append(record("latency", model=args.model,
-                                  tensor_parallel_size=args.tensor_parallel_size, **result))
+                                  tensor_parallel_size=llm.engine.config.tensor_parallel_size,
+                                  **result))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
                   f"{result['output_tok_s']:9.0f} out tok/s")

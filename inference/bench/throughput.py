@@ -33,7 +33,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     folder, extra = resolve_shape_model(args.model)
     t0 = time.perf_counter()
-    llm = LLM(folder, **engine_kwargs(args, args.input_len + args.output_len), **extra)
+    llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + args.output_len)))
     startup_s = time.perf_counter() - t0
     engine = llm.engine
     prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size)
@@ -47,7 +47,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     result = record(
         "throughput",
         model=args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=engine.config.tensor_parallel_size,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,

@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from inference.config import EngineConfig
+from inference.config import ResolvedEngineConfig
 from inference.distributed.parallel_state import free_local_port, kv_head_range
 from inference.distributed.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
 from inference.model_runner import build_step_inputs
@@ -59,7 +59,7 @@ _SHUTDOWN_GRACE_S = 5.0
 class MultiprocExecutor:
     def __init__(
         self,
-        config: EngineConfig,
+        config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
         device: torch.device,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from inference.config import EngineConfig
+from inference.config import ResolvedEngineConfig
 from inference.models.config import ModelConfig
 
 
@@ -34,7 +34,7 @@ class WorkerArgs:
     rank: int
     world_size: int
     port: int  # TCP rendezvous of the process group on 127.0.0.1
-    config: EngineConfig
+    config: ResolvedEngineConfig
     model_config: ModelConfig
     model_path: str
     device_type: str  # "cuda" or "cpu"

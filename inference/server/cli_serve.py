@@ -1,4 +1,5 @@
-"""``pagoda serve MODEL``: flags (vLLM's names) and the uvicorn process around the app.
+"""``pagoda serve MODEL``: the server's flags (vLLM's names; the engine's come from
+``EngineConfig``) and the uvicorn process around the app.
 
 Start-up binds the listening socket first: a port in use fails at once, before minutes of
 model loading. The model then loads in the background while /health already answers.
@@ -30,18 +31,15 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
-from inference.config import EngineConfig
+from inference.config import EngineConfig, add_engine_args, engine_kwargs
 from inference.server.app import DEFAULT_MAX_BODY_BYTES
 from inference.server.serving import RequestLimits
 from inference.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("inference.server")
-
-_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,37 +61,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("PAGODA_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGODA_API_KEY)",
-    )
-    parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer folder (default: the model's own)"
-    )
-    parser.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default=None,
-        help="dummy: random weights (implied for the named benchmark shapes)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS["tensor_parallel_size"]
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=_DEFAULTS["gpu_memory_utilization"]
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"])
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default=_DEFAULTS["dtype"])
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULTS["enable_prefix_caching"],
-    )
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
-    parser.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="pin the KV-cache size in blocks"
     )
     parser.add_argument(
         "--max-queue-len",
@@ -152,7 +119,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
-    return parser
+    # The engine's own flags, generated from EngineConfig (the model is the positional
+    # argument above, and --served-model-name takes several names here).
+    return add_engine_args(parser, exclude=("served_model_name",))
 
 
 def _json_list(text: str) -> list[str]:
@@ -194,24 +163,8 @@ def _model_source(args: argparse.Namespace) -> tuple[str, str | None, str]:
 
 def engine_config(args: argparse.Namespace, names: list[str]) -> EngineConfig:
     model, tokenizer, load_format = _model_source(args)
-    return EngineConfig.from_kwargs(
-        model,
-        tokenizer=tokenizer,
-        load_format=load_format,
-        served_model_name=names[0],
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        dtype=args.dtype,
-        seed=args.seed,
-        device=args.device,
-        num_kv_blocks=args.num_kv_blocks,
-    )
+    given = engine_kwargs(args) | {"tokenizer": tokenizer, "load_format": load_format}
+    return EngineConfig.from_kwargs(model, served_model_name=names[0], **given)
 
 
 def _curl_example(host: str, port: int, model: str, api_key: str | None) -> str:

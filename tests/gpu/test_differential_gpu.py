@@ -150,6 +150,12 @@ def _gpu_matrix() -> list[dict]:
 GPU_MATRIX = _gpu_matrix()
 
 
+def _max_num_seqs(setting: dict) -> int:
+    """48, or the row's token budget when that is smaller (a step holds one token per
+    running sequence at least: the engine rejects max_num_seqs above the budget)."""
+    return min(48, setting["max_num_batched_tokens"] or 48)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     built = {}
@@ -164,8 +170,9 @@ def models(tmp_path_factory):
 def _run_matrix_row(models, index, setting, dtype="float32"):
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
-    engine = _engine(folder, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=48,
-                     gpu_memory_utilization=0.3, **engine_args(setting, MAX_MODEL_LEN))
+    engine = _engine(folder, dtype=dtype, max_model_len=MAX_MODEL_LEN,
+                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
+                     **engine_args(setting, MAX_MODEL_LEN))
     workload = random_workload(
         2000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
         block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
@@ -215,8 +222,9 @@ def test_tp2_against_transformers(models, index):
     setting = GPU_MATRIX[index]
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
-    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=48,
-                     gpu_memory_utilization=0.3, tensor_parallel_size=2,
+    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
+                     tensor_parallel_size=2,
                      **engine_args(setting, MAX_MODEL_LEN))
     try:
         workload = random_workload(
