@@ -44,6 +44,11 @@ MANAGED_FLAGS = (
     "--shutdown-grace-seconds",
 )
 
+# The engine's own defaults for maxNumSeqs, which depend on where it runs (no CRD default
+# could), so that a spec without the field runs as `pagoda serve` would; the contract test
+# (tests/test_settings_contract.py) keeps them equal to inference/config.py's.
+ENGINE_DEFAULT_MAX_NUM_SEQS = {"cuda": 1024, "cpu": 256}
+
 # Mirrors the `default:` values of the CRD schema (a unit test keeps the two equal).
 SPEC_DEFAULTS: dict[str, Any] = {
     "replicas": 1,
@@ -51,7 +56,6 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "engine": {
         "tensorParallelSize": 1,
         "gpuMemoryUtilization": 0.9,
-        "maxNumSeqs": 256,
         "blockSize": 16,
         "dtype": "auto",
         "device": "auto",
@@ -77,8 +81,23 @@ SPEC_DEFAULTS: dict[str, Any] = {
 
 
 def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``spec`` with every missing defaulted field filled in."""
-    return _merge_defaults(SPEC_DEFAULTS, copy.deepcopy(spec or {}))
+    """A deep copy of ``spec`` with every missing defaulted field filled in: the CRD's
+    defaults, and ``engine.maxNumSeqs`` as the engine would resolve it."""
+    spec = _merge_defaults(SPEC_DEFAULTS, copy.deepcopy(spec or {}))
+    engine = spec["engine"]
+    if engine.get("maxNumSeqs") is None:
+        engine["maxNumSeqs"] = default_max_num_seqs(engine)
+    return spec
+
+
+def default_max_num_seqs(engine: dict[str, Any]) -> int:
+    """The engine's default for this engine spec: 1024 on a GPU, 256 on CPU, and never more
+    than a given ``maxNumBatchedTokens`` (a step holds at least one token per sequence)."""
+    value = ENGINE_DEFAULT_MAX_NUM_SEQS["cpu" if engine.get("device") == "cpu" else "cuda"]
+    batched = engine.get("maxNumBatchedTokens")
+    if _is_int(batched) and batched >= 1:
+        value = min(value, batched)
+    return value
 
 
 def _merge_defaults(defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def test_changing_max_num_seqs_rolls_the_deployment(cluster: EmulatedCluster) ->
     namespace, name = "update", "qwen"
     cluster.create(llmd_path(namespace), make_llmd(namespace, name))
     deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
-    assert flag_value(engine_container(deployment)["args"], "--max-num-seqs") == "256"
+    assert flag_value(engine_container(deployment)["args"], "--max-num-seqs") == "1024"
 
     cluster.patch(llmd_path(namespace, name), {"spec": {"engine": {"maxNumSeqs": 64}}})
 
@@ -136,7 +136,7 @@ def test_changing_max_num_seqs_rolls_the_deployment(cluster: EmulatedCluster) ->
     assert flag_value(args, "--tensor-parallel-size") == "1"
     wait_for(
         lambda: any(
-            "Updated Deployment qwen: --max-num-seqs 256 -> 64" in m
+            "Updated Deployment qwen: --max-num-seqs 1024 -> 64" in m
             for m in event_messages(cluster, namespace)
         ),
         what="the Updated event",
@@ -374,7 +374,7 @@ def test_hand_edits_and_deletions_are_undone(cluster: EmulatedCluster) -> None:
                 engine_container(cluster.get(deployment_path(namespace, name)))["args"],
                 "--max-num-seqs",
             )
-            == "256"
+            == "1024"
         ),
         what="the Deployment restored",
     )

@@ -331,7 +331,7 @@ def test_plan_updates_changed_objects_and_says_what_changed() -> None:
     after = desired_objects(llmd(engine={"maxNumSeqs": 64}), service_monitor_api=False)
     (action,) = plan_actions(after, existing_from(before), "uid-1")
     assert (action.verb, action.kind) == ("update", "Deployment")
-    assert action.event_message == "Updated Deployment qwen: --max-num-seqs 256 -> 64"
+    assert action.event_message == "Updated Deployment qwen: --max-num-seqs 1024 -> 64"
 
 
 def test_plan_deletes_objects_no_longer_wanted() -> None:

@@ -1,0 +1,147 @@
+"""The contract between the operator and the engine: every flag the operator can put on a
+Deployment parses with the real ``pagoda serve`` parser into the settings the LLMDeployment
+asked for, and the CRD's defaults (plain manifest and Helm copy) are the engine's.
+
+The operator never imports the engine; only this test reads both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pagoda_operator import constants
+from pagoda_operator import spec as operator_spec
+from pagoda_operator.desired import desired_objects
+
+from inference import config as engine_config_module
+from inference.config import EngineConfig, ResolvedEngineConfig
+from inference.model_shapes import SHAPES
+from inference.models.config import ModelConfig
+from inference.server.cli_serve import add_serve_args, engine_config, served_names
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_COPIES = {
+    "manifests": ROOT / "manifests" / "crd.yaml",
+    "helm": ROOT / "helm" / "pagoda-operator" / "files" / "llmdeployment-crd-spec.yaml",
+}
+MODEL = ModelConfig.from_dict(SHAPES["qwen2.5-7b"])  # 32768 positions
+
+# Every engine knob the LLMDeployment has, each set away from its default.
+EVERY_KNOB = {
+    "tensorParallelSize": 2,
+    "gpuMemoryUtilization": 0.85,
+    "maxNumSeqs": 128,
+    "maxNumBatchedTokens": 4096,
+    "blockSize": 32,
+    "maxModelLen": 8192,
+    "maxQueueLen": 100,
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "enablePrefixCaching": False,
+    "extraArgs": ["--seed", "7", "--enforce-eager", "--no-async-scheduling"],
+}
+# LLMDeployment field -> EngineConfig field, for those that are engine settings.
+ENGINE_FIELDS = {
+    "tensorParallelSize": "tensor_parallel_size",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "blockSize": "block_size",
+    "maxModelLen": "max_model_len",
+    "dtype": "dtype",
+    "device": "device",
+    "enablePrefixCaching": "enable_prefix_caching",
+}
+
+
+def deployment_args(engine: dict[str, Any]) -> list[str]:
+    """The engine container's arguments the operator renders for this engine spec."""
+    llmd = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": engine},
+    }
+    (deployment,) = [
+        obj for obj in desired_objects(llmd, service_monitor_api=False)
+        if obj["kind"] == "Deployment"
+    ]  # fmt: skip
+    (container,) = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"
+    ]
+    assert container["command"] == ["pagoda"]
+    assert container["args"][0] == "serve"
+    return container["args"][1:]
+
+
+def parse_and_resolve(args: list[str]) -> tuple[argparse.Namespace, ResolvedEngineConfig]:
+    parsed = add_serve_args(argparse.ArgumentParser(prog="pagoda serve"))
+    namespace = parsed.parse_args(args)
+    config = engine_config(namespace, served_names(namespace))
+    device = "cpu" if config.device == "cpu" else "cuda"
+    return namespace, config.resolve(MODEL, device)
+
+
+def test_every_flag_the_operator_emits_parses_into_the_asked_settings() -> None:
+    namespace, resolved = parse_and_resolve(deployment_args(EVERY_KNOB))
+    for knob, name in ENGINE_FIELDS.items():
+        assert getattr(resolved, name) == EVERY_KNOB[knob], knob
+    assert (resolved.seed, resolved.enforce_eager, resolved.async_scheduling) == (7, True, False)
+    assert resolved.served_model_name == "Qwen/Qwen2.5-7B-Instruct"
+    assert namespace.max_queue_len == 100 and namespace.port == 8000
+
+
+def test_the_operator_manages_only_flags_the_server_knows() -> None:
+    parser = add_serve_args(argparse.ArgumentParser())
+    known = {option for action in parser._actions for option in action.option_strings}
+    assert set(operator_spec.MANAGED_FLAGS) <= known
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cpu"])
+@pytest.mark.parametrize("budget", [None, 64, 100000])
+def test_a_spec_without_batch_limits_runs_as_pagoda_serve_would(
+    device: str, budget: int | None
+) -> None:
+    """The operator's defaults give the engine what it resolves with no flags at all."""
+    engine = {"device": device} | ({"maxNumBatchedTokens": budget} if budget else {})
+    _, from_operator = parse_and_resolve(deployment_args(engine))
+    bare = ["default", "--device", device] + (
+        ["--max-num-batched-tokens", str(budget)] if budget else []
+    )
+    _, from_serve = parse_and_resolve(bare)
+    assert from_operator.max_num_seqs == from_serve.max_num_seqs
+    assert from_operator.max_num_batched_tokens == from_serve.max_num_batched_tokens
+
+
+def test_operator_default_max_num_seqs_is_the_engines() -> None:
+    assert operator_spec.ENGINE_DEFAULT_MAX_NUM_SEQS == engine_config_module.DEFAULT_MAX_NUM_SEQS
+
+
+def crd_engine_schema(copy_name: str) -> dict[str, Any]:
+    document = yaml.safe_load(CRD_COPIES[copy_name].read_text())
+    crd_spec = document if copy_name == "helm" else document["spec"]  # helm: the spec only
+    (version,) = crd_spec["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+
+
+@pytest.mark.parametrize("copy_name", sorted(CRD_COPIES))
+def test_crd_defaults_are_the_engines(copy_name: str) -> None:
+    properties = crd_engine_schema(copy_name)["properties"]
+    engine_defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for knob, name in ENGINE_FIELDS.items():
+        crd_default = properties[knob].get("default")
+        if engine_defaults[name] is None:
+            # The engine resolves it from the model or the device: the CRD must not pin it.
+            assert crd_default is None, knob
+        else:
+            assert crd_default == engine_defaults[name], knob
+    allowed_dtypes = set(EngineConfig.__dataclass_fields__["dtype"].metadata["choices"])
+    assert set(properties["dtype"]["enum"]) <= allowed_dtypes
+    assert properties["device"]["enum"] == list(
+        EngineConfig.__dataclass_fields__["device"].metadata["choices"]
+    )
