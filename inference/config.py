@@ -107,8 +107,8 @@ class EngineConfig:
         ``max_num_seqs`` to it (a step could not hold more sequences anyway), and a large
         ``max_num_seqs`` raises the default budget to it."""
         limit = model_config.max_position_embeddings
-        if model_config.sliding_window:
-            limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay inside it
+        if model_config.sliding_window:  # no sliding-window attention: stay inside it
+            limit = min(limit, model_config.sliding_window)
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} tokens"
