@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
 # table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
-# Parts: all | parity | bench | serve | tp. JSON results land in $OUT (or ./bench-out).
+# Parts: all | parity | structured | bench | serve | tp. JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Multi-GPU hosts here keep NVLink multicast off (see the device notes).
@@ -12,6 +12,13 @@ PART=${1:-all}
 
 if [[ $PART == all || $PART == parity ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py 2>&1 | tail -15
+fi
+if [[ $PART == all || $PART == structured ]]; then
+  # llguidance travels as a wheel (.whl/, see the device notes); a real tokenizer beside it
+  # in .whl/smollm2-tokenizer when there is one.
+  tok=(); [[ -d .whl/smollm2-tokenizer ]] && tok=(--tokenizer .whl/smollm2-tokenizer)
+  $B.structured_check --model qwen2.5-1.5b "${tok[@]}" --out "$OUT/structured_check_h200.json" \
+      2>&1 | tail -5
 fi
 if [[ $PART == all || $PART == bench ]]; then
   $B.throughput --model qwen2.5-1.5b --num-prompts 1024 --input-len 512 --output-len 128 \
