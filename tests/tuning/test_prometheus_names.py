@@ -12,8 +12,6 @@ dot); its pods restart ten times as fast, so counting them shows up in the resta
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +23,7 @@ from k8s.emulated_cluster import wait_for
 from k8s.test_autoscalers import adapter_queries
 from pagoda_operator.desired import autoscaler_queries
 from pagoda_operator.tuning.prometheus import PrometheusEndpoint, observe, snapshot_queries
-from server.server_harness import free_port
-
-from .test_tuner_live import PROMETHEUS, stop
+from prometheus_process import running_prometheus
 
 NAMESPACE = "team-a"
 LONG_NAME = "llama-3-1-70b-instruct-fp8-dynamic-with-a-rather-long-suffix-x1"
@@ -111,28 +107,14 @@ def exporter() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def prometheus(exporter: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not shutil.which(PROMETHEUS):
-        pytest.skip("the Debian package `prometheus` is not installed (.ci/run installs it)")
-    folder = tmp_path_factory.mktemp("prometheus")
-    config = folder / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: engines-and-ksm\n    honor_labels: true\n"
+    jobs = (
+        "  - job_name: engines-and-ksm\n    honor_labels: true\n"
         f"    static_configs:\n      - targets: ['{exporter}']\n"
     )
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with running_prometheus(tmp_path_factory.mktemp("prometheus"), jobs) as url:
         # Rates need samples spanning most of the window.
         wait_for(lambda: scraped_for(url) >= WINDOW_S + 2, timeout=90, what="a window of samples")
         yield url
-    finally:
-        stop(process)
 
 
 def scraped_for(url: str) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,9 +37,9 @@ from k8s.test_operator_kmock import (
     llmd_status,
     used_permissions,
 )
+from prometheus_process import running_prometheus, stop
 from server.server_harness import free_port, start_subprocess_server
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 NAMESPACE, NAME, GITOPS = "tuned", "smol-lm", "smol-lm-gitops"
 # Long enough for the slowest step under load, short enough to keep a failing run short.
 DEADLINE_S = 180
@@ -49,15 +48,6 @@ MODEL = "SmolLM2-135M-Instruct"
 TUNER_ENV = {"PAGODA_TUNING_INTERVAL_SECONDS": "2", "PAGODA_TUNING_WINDOW_SECONDS": "4"}
 
 pytestmark = pytest.mark.slow
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -75,32 +65,16 @@ def engines() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def prometheus(engines: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not shutil.which(PROMETHEUS):
-        pytest.skip("the Debian package `prometheus` is not installed (.ci/run installs it)")
-    folder = tmp_path_factory.mktemp("prometheus")
     targets = ", ".join(f"'{url.removeprefix('http://')}'" for url in engines)
-    config = folder / "prometheus.yml"
     groups = "".join(
         f"      - targets: [{targets}]\n"
         f"        labels: {{namespace: {NAMESPACE}, llmdeployment: {name}}}\n"
         for name in (NAME, GITOPS)
     )
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: pagoda-engines\n    static_configs:\n" + groups
-    )
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
+    jobs = "  - job_name: pagoda-engines\n    static_configs:\n" + groups
+    with running_prometheus(tmp_path_factory.mktemp("prometheus"), jobs) as url:
         wait_for(lambda: scraped_engines(url) == 4, timeout=DEADLINE_S, what="engines scraped")
         yield url
-    finally:
-        stop(process)
 
 
 def scraped_engines(url: str) -> int:
