@@ -37,14 +37,28 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from inference.config import EngineConfig
-from inference.engine_core import (
+from inference.engine_core import EngineFactory, default_engine_factory, run_engine_core
+from inference.engine_messages import (
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    Command,
+    CompletionDelta,
+    Dead,
     EngineInfo,
+    EngineStats,
+    Heartbeat,
+    Message,
+    Ready,
+    Resolved,
+    Shutdown,
+    StepOutputs,
     StepTimings,
-    default_engine_factory,
-    run_engine_core,
 )
 from inference.model_files import load_tokenizer
 from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
@@ -80,15 +94,16 @@ class RequestAbortedError(Exception):
 class EngineObserver(Protocol):
     """Hooks the event loop calls with what the engine process reports (metrics)."""
 
-    def on_ready(self, info: EngineInfo, stats: Any) -> None: ...
-    def on_stats(self, stats: Any, timings: StepTimings | None) -> None: ...
+    def on_ready(self, info: EngineInfo, stats: EngineStats) -> None: ...
+    def on_stats(self, stats: EngineStats, timings: StepTimings | None) -> None: ...
 
 
 class _Stream:
     __slots__ = ("items", "waiter", "error", "aborted", "abort_sent", "abort_reason")
 
     def __init__(self) -> None:
-        self.items: deque[tuple[bool, list[tuple]]] = deque()
+        # (finished, completion deltas, prompt logprobs) per step that produced something
+        self.items: deque[tuple[bool, list[CompletionDelta], list | None]] = deque()
         self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
         self.aborted = False
@@ -102,7 +117,10 @@ class _Stream:
 
 
 def _delta_output(
-    request_id: str, finished: bool, completions: list[tuple], prompt_logprobs: list | None
+    request_id: str,
+    finished: bool,
+    completions: list[CompletionDelta],
+    prompt_logprobs: list | None,
 ) -> RequestOutput:
     return RequestOutput(
         request_id=request_id,
@@ -124,7 +142,7 @@ class AsyncLLMEngine:
         *,
         max_queue_len: int | None = None,
         observer: EngineObserver | None = None,
-        engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
+        engine_factory: EngineFactory = default_engine_factory,
         engine_step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         if max_queue_len is not None and max_queue_len < 1:
@@ -138,10 +156,11 @@ class AsyncLLMEngine:
         self._step_timeout_s = engine_step_timeout_s
 
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._process: Any = None
-        self._commands: Any = None  # Connection to the engine process
-        self._outputs: Any = None  # Connection from the engine process
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._process: BaseProcess | None = None
+        self._commands: Connection | None = None  # to the engine process
+        self._outputs: Connection | None = None  # from the engine process
+        # Commands for the sender thread; None is its stop sign.
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._process_lock = threading.Lock()
         self._info: EngineInfo | None = None
@@ -155,7 +174,7 @@ class AsyncLLMEngine:
         # Adds submitted here vs. adds the engine process has taken, paired with the stats
         # taken after them: their difference is the queue the stats cannot see yet.
         self._num_submitted_adds = 0
-        self._snapshot: tuple[Any, int] | None = None
+        self._snapshot: tuple[EngineStats, int] | None = None
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -240,7 +259,7 @@ class AsyncLLMEngine:
             return
         self._stopping = True
         atexit.unregister(self._stop_process)
-        self._outbox.put(("shutdown",))
+        self._outbox.put(Shutdown())
         self._outbox.put(None)  # the sender thread's stop sign
         if not self._wait_exit(_STOP_TIMEOUT_S):
             for kill in (process.terminate, process.kill):
@@ -288,10 +307,6 @@ class AsyncLLMEngine:
         )
 
     @property
-    def healthy(self) -> bool:
-        return self.health_problem is None
-
-    @property
     def failure(self) -> BaseException | None:
         """Why the engine stopped, if it failed."""
         return self._dead
@@ -316,7 +331,7 @@ class AsyncLLMEngine:
         return self._info.config if self._info is not None else self._config
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats | None:
         """The engine stats taken after the latest step (None before warm-up ends)."""
         snapshot = self._snapshot
         return snapshot[0] if snapshot else None
@@ -371,7 +386,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_submitted_adds += 1
         arrival = arrival_time if arrival_time is not None else time.time()
-        self._submit(("add", request_id, prompt, params, arrival))
+        self._submit(AddRequest(request_id, prompt, params, arrival))
         accumulator = None
         if not delta:
             prompt_ids = list(prompt) if not isinstance(prompt, str) else []
@@ -407,7 +422,7 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished and stream.error is None and not stream.abort_sent:
                 stream.abort_sent = True
-                self._submit(("abort", [request_id]))
+                self._submit(AbortRequests([request_id]))
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
         """Abort a request from the event loop; its generator raises RequestAbortedError
@@ -420,52 +435,53 @@ class AsyncLLMEngine:
             if stream.abort_sent:
                 return
             stream.abort_sent = True
-        self._submit(("abort", [request_id]))
+        self._submit(AbortRequests([request_id]))
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         if not self._stopping:
             self._outbox.put(command)
 
     # ----- messages from the engine process (event loop side) --------------------------
 
-    def _on_messages(self, messages: list[tuple]) -> None:
+    def _on_messages(self, messages: list[Message]) -> None:
         self._last_message = time.monotonic()
         for message in messages:
-            kind = message[0]
-            if kind == "step":
+            if isinstance(message, StepOutputs):
                 self._on_step(message)
-            elif kind == "stats":
-                _, stats, num_adds, timings = message
-                self._snapshot = (stats, num_adds)
-                if self.observer is not None:
-                    self.observer.on_stats(stats, timings)
-            elif kind == "error":
-                _, request_id, type_name, text = message
-                error = ValueError(text) if type_name == "ValueError" else RuntimeError(text)
-                self._fail(request_id, error)
-            elif kind == "ready":
-                self._on_ready(message[1], message[2], message[3])
-            elif kind == "dead":
-                self._die(message[1])
+            elif isinstance(message, Heartbeat):
+                self._on_stats(message.stats, message.num_adds, message.timings)
+            elif isinstance(message, AddRejected):
+                text = message.message
+                error = (
+                    ValueError(text) if message.type_name == "ValueError" else RuntimeError(text)
+                )
+                self._fail(message.request_id, error)
+            elif isinstance(message, Ready):
+                self._on_ready(message)
+            elif isinstance(message, Dead):
+                self._die(message.reason)
 
-    def _on_step(self, message: tuple) -> None:
-        _, _now, stats, num_adds, outputs, timings = message
+    def _on_stats(self, stats: EngineStats, num_adds: int, timings: StepTimings | None) -> None:
         self._snapshot = (stats, num_adds)
         if self.observer is not None:
             self.observer.on_stats(stats, timings)
+
+    def _on_step(self, message: StepOutputs) -> None:
+        self._on_stats(message.stats, message.num_adds, message.timings)
         streams = self._streams
-        for request_id, finished, completions, prompt_logprobs in outputs:
+        for request_id, finished, completions, prompt_logprobs in message.outputs:
             stream = streams.get(request_id)
             if stream is not None and not stream.aborted:
                 stream.items.append((finished, completions, prompt_logprobs))
                 stream.wake()
 
-    def _on_ready(self, info: EngineInfo, stats: Any, num_adds: int) -> None:
+    def _on_ready(self, message: Ready) -> None:
+        info = message.info
         info.tokenizer = self._tokenizer
         self._info = info
-        self._snapshot = (stats, num_adds)
+        self._snapshot = (message.stats, message.num_adds)
         if self.observer is not None:
-            self.observer.on_ready(info, stats)
+            self.observer.on_ready(info, message.stats)
         gc.collect()  # the app, tokenizer and engine front live as long as the server:
         gc.freeze()  # keep them out of the full collections that would stall streaming
         self._ready = True
@@ -509,7 +525,7 @@ class AsyncLLMEngine:
         connection = self._outputs
         closed = False
         while not closed:
-            messages: list[tuple] = []
+            messages: list[Message] = []
             if self._ready and not self._stopping and not self._watchdog(connection):
                 continue  # the engine was killed: the next recv sees the pipe close
             try:
@@ -519,8 +535,8 @@ class AsyncLLMEngine:
             except (EOFError, OSError):
                 closed = True  # the engine process exited: deliver what it said last
             for message in messages:
-                if message[0] == "resolved":
-                    messages = self._load_tokenizer(message[1], messages)
+                if isinstance(message, Resolved):
+                    messages = self._load_tokenizer(message.tokenizer_path, messages)
             if messages and not self._post(self._on_messages, messages):
                 return
         self._wait_exit(1.0)
@@ -528,7 +544,7 @@ class AsyncLLMEngine:
             exit_code = self._process.exitcode
         self._post(self._on_exit, exit_code)
 
-    def _watchdog(self, connection: Any) -> bool:
+    def _watchdog(self, connection: Connection) -> bool:
         """Wait for the engine's next message for up to the step timeout; True if one came.
         If none did, the engine is hung: fail everything and kill it."""
         if connection.poll(self._step_timeout_s):
@@ -553,13 +569,13 @@ class AsyncLLMEngine:
             process.join(5.0)
             return not process.is_alive()
 
-    def _load_tokenizer(self, path: str, messages: list[tuple]) -> list[tuple]:
+    def _load_tokenizer(self, path: str, messages: list[Message]) -> list[Message]:
         try:
             self._tokenizer = load_tokenizer(path)
         except Exception as exc:  # noqa: BLE001 - reported as the engine's death
             logger.exception("cannot load the tokenizer from %s", path)
-            self._outbox.put(("shutdown",))
-            return [*messages, ("dead", f"cannot load the tokenizer from {path}: {exc}")]
+            self._outbox.put(Shutdown())
+            return [*messages, Dead(f"cannot load the tokenizer from {path}: {exc}")]
         return messages
 
     def _send_loop(self) -> None:
@@ -584,7 +600,7 @@ class AsyncLLMEngine:
                 return
 
 
-def _grow_pipe(connection: Any) -> None:
+def _grow_pipe(connection: Connection) -> None:
     try:
         import fcntl
 

@@ -15,20 +15,8 @@ proportional to what changed), the engine stats and the per-request timings the 
 need. Text is held back by the longest stop string minus one until a request finishes, so
 the text a client has been sent is never cut back by a stop string found later.
 
-Messages, server -> core: a list of commands, each one of
-    ("add", request_id, prompt, params, arrival_time)   ("abort", [request_id, ...])
-    ("stats",)                                           ("shutdown",)
-core -> server: a list of messages, each one of
-    ("resolved", tokenizer_path)         model folder found; weights load next
-    ("ready", EngineInfo, stats, adds)   loaded and warmed up
-    ("step", now, stats, adds, outputs, timings)
-    ("stats", stats, adds, timings)      after idle commands, and every HEARTBEAT_S when idle
-    ("error", request_id, type_name, message)   an add was rejected (bad prompt)
-    ("dead", reason)                     fatal; the process exits right after
-``adds`` counts the add commands taken so far (the server estimates its queue with it);
-``outputs`` is a list of ``(request_id, finished, [(index, new_token_ids, new_text,
-new_logprobs, cumulative_logprob, finish_reason, stop_reason), ...], prompt_logprobs)``;
-``prompt_logprobs`` is None but once, with the first token, for requests that asked.
+The messages both ways are the dataclasses of ``inference/engine_messages.py``; what the
+loop needs of the engine is ``CoreEngine`` (``LLMEngine`` is the one in production).
 """
 
 from __future__ import annotations
@@ -42,14 +30,37 @@ import signal
 import sys
 import threading
 import time
-import types
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from inference.config import EngineConfig, ResolvedEngineConfig
+from inference.engine_messages import (
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    Command,
+    CompletionDelta,
+    Dead,
+    EngineInfo,
+    EngineStats,
+    Heartbeat,
+    Message,
+    Ready,
+    RequestDelta,
+    Resolved,
+    Shutdown,
+    StepOutputs,
+    StepTimings,
+)
 from inference.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from inference.models.config import ModelConfig
+    from inference.outputs import CompletionOutput, RequestOutput
+    from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -62,85 +73,75 @@ _WARMUP_PROMPT_TOKENS = 8
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-@dataclass
-class EngineInfo:
-    """What the server needs to know about the loaded engine (no torch objects)."""
+class CoreEngine(Protocol):
+    """What the engine-core loop drives: ``LLMEngine``, or a test's wrapper around one."""
 
     config: ResolvedEngineConfig
     model_name: str
-    tokenizer_path: str | None
-    vocab_size: int | None
-    num_total_blocks: int | None
-    dtype: str
-    device: str
-    startup_phases: dict[str, float] = field(default_factory=dict)
-    pid: int = 0
-    tokenizer: Any = field(default=None, repr=False)  # set in the server process
+    model_config: ModelConfig
+    num_total_blocks: int
+    dtype: torch.dtype
+    device: torch.device
+    startup_phases: dict[str, float]
+    grammars: GrammarCompiler
+    computed_tokens_total: int  # tokens run through the model so far
+    delta_outputs: bool
 
-    @classmethod
-    def from_engine(cls, engine: Any, tokenizer_path: str | None) -> EngineInfo:
-        model_config = getattr(engine, "model_config", None)
-        return cls(
-            config=engine.config,
-            model_name=getattr(engine, "model_name", engine.config.model),
-            tokenizer_path=tokenizer_path,
-            vocab_size=getattr(model_config, "vocab_size", None),
-            num_total_blocks=getattr(engine, "num_total_blocks", None),
-            dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
-            device=str(getattr(engine, "device", engine.config.device)),
-            startup_phases=dict(getattr(engine, "startup_phases", {}) or {}),
-            pid=os.getpid(),
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["tokenizer"] = None
-        return state
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def abort_request(self, request_id: str | list[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> EngineStats: ...
+    def check_health(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
-@dataclass
-class StepTimings:
-    """Per-request latencies (seconds) and sizes completed since the last message. A
-    finished request (aborted ones included, as vLLM counts them) adds one value to each of
-    ``e2e``, ``queue`` ... ``generation_tokens``; vLLM's phases: queue (arrival to first
-    scheduled), prefill (to first token), decode (first to last token), inference
-    (first scheduled to last token)."""
-
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
-    queue: list[float] = field(default_factory=list)
-    prefill: list[float] = field(default_factory=list)
-    decode: list[float] = field(default_factory=list)
-    inference: list[float] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    generation_tokens: list[int] = field(default_factory=list)
-    iteration_tokens: list[int] = field(default_factory=list)  # tokens run, per step
-    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
-
-    def __bool__(self) -> bool:
-        return bool(self.ttft or self.itl or self.e2e or self.iteration_tokens or self.finished)
-
-    def add_finished(self, request: _CoreRequest, output: Any, now: float) -> None:
-        metrics = output.metrics
-        scheduled = metrics.first_scheduled_time if metrics is not None else None
-        first_token = metrics.first_token_time if metrics is not None else None
-        last_token = metrics.last_token_time if metrics is not None else None
-        arrival = request.arrival
-        self.e2e.append(max(0.0, now - arrival))
-        # Never scheduled (aborted while waiting): all of its life was queueing.
-        self.queue.append(max(0.0, (scheduled or now) - arrival))
-        if scheduled is not None:
-            self.prefill.append(max(0.0, (first_token or now) - scheduled))
-            self.decode.append(max(0.0, (last_token or now) - first_token) if first_token else 0.0)
-            self.inference.append(max(0.0, (last_token or now) - scheduled))
-        self.prompt_tokens.append(len(output.prompt_token_ids))
-        self.generation_tokens.append(request.num_generated)
-        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-        _count(self.finished, reasons[0] if reasons else "abort")
+EngineFactory = Callable[[EngineConfig], CoreEngine]
 
 
-def default_engine_factory(config: EngineConfig) -> Any:
+def engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
+    return EngineInfo(
+        config=engine.config,
+        model_name=engine.model_name,
+        tokenizer_path=tokenizer_path,
+        vocab_size=engine.model_config.vocab_size,
+        num_total_blocks=engine.num_total_blocks,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        device=str(engine.device),
+        startup_phases=dict(engine.startup_phases),
+        pid=os.getpid(),
+    )
+
+
+def add_finished(
+    timings: StepTimings, request: _CoreRequest, output: RequestOutput, now: float
+) -> None:
+    """A finished request's latencies and sizes, into ``timings``."""
+    metrics = output.metrics
+    scheduled = metrics.first_scheduled_time if metrics is not None else None
+    first_token = metrics.first_token_time if metrics is not None else None
+    last_token = metrics.last_token_time if metrics is not None else None
+    arrival = request.arrival
+    timings.e2e.append(max(0.0, now - arrival))
+    # Never scheduled (aborted while waiting): all of its life was queueing.
+    timings.queue.append(max(0.0, (scheduled or now) - arrival))
+    if scheduled is not None:
+        timings.prefill.append(max(0.0, (first_token or now) - scheduled))
+        timings.decode.append(max(0.0, (last_token or now) - first_token) if first_token else 0.0)
+        timings.inference.append(max(0.0, (last_token or now) - scheduled))
+    timings.prompt_tokens.append(len(output.prompt_token_ids))
+    timings.generation_tokens.append(request.num_generated)
+    reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+    _count(timings.finished, reasons[0] if reasons else "abort")
+
+
+def default_engine_factory(config: EngineConfig) -> CoreEngine:
     from inference.llm_engine import LLMEngine
 
     return LLMEngine(config)
@@ -173,25 +174,19 @@ class _CoreRequest:
         self.num_generated = 0  # tokens of all n completions
 
 
-def plain_stats(stats: Any) -> types.SimpleNamespace:
-    """The engine's stats as a plain object, so the server can unpickle them without
-    importing the engine (and torch)."""
-    return types.SimpleNamespace(**vars(stats))
-
-
 class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
         commands: multiprocessing.connection.Connection,
         outputs: multiprocessing.connection.Connection,
-        engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
+        engine_factory: EngineFactory = default_engine_factory,
     ) -> None:
         self.config = config
         self.commands = commands
         self.outputs = outputs
         self.engine_factory = engine_factory
-        self.engine: Any = None
+        self.engine: CoreEngine | None = None
         self.requests: dict[str, _CoreRequest] = {}
         self.num_adds = 0
         self.timings = StepTimings()
@@ -226,15 +221,14 @@ class EngineCore:
 
     def _shutdown_engine(self) -> None:
         """Stop what the engine started (tensor-parallel workers), failed or not."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is None:
+        if self.engine is None:
             return
         try:
-            shutdown()
+            self.engine.shutdown()
         except Exception:  # noqa: BLE001 - exiting anyway
             logger.exception("engine shutdown failed")
 
-    def _start(self) -> Any:
+    def _start(self) -> CoreEngine:
         from inference.model_files import resolve_model
 
         try:
@@ -242,14 +236,12 @@ class EngineCore:
         except Exception as exc:
             raise _StartError(f"engine failed to start: {exc}") from exc
         tokenizer_path = str(self.config.tokenizer or path)
-        self._send([("resolved", tokenizer_path)])
+        self._send([Resolved(tokenizer_path)])
         try:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
             engine.delta_outputs = True  # each step's outputs: only what is new
-            grammars = getattr(engine, "grammars", None)
-            if grammars is not None:
-                grammars.prepare()  # structured outputs' tokenizer view, in the background
+            engine.grammars.prepare()  # structured outputs' tokenizer view, in the background
             # What exists now (model, tokenizer, caches) lives for the whole process: keep it
             # out of the cyclic collector, whose full passes would otherwise stall steps.
             gc.collect()
@@ -258,15 +250,15 @@ class EngineCore:
             raise
         except Exception as exc:
             raise _StartError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
-        info = EngineInfo.from_engine(engine, tokenizer_path)
-        stats = plain_stats(engine.stats())
+        info = engine_info(engine, tokenizer_path)
+        stats = engine.stats()
         self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
-        self.computed_tokens = getattr(engine, "computed_tokens_total", None) or 0
-        self._send([("ready", info, stats, self.num_adds)])
+        self.computed_tokens = engine.computed_tokens_total
+        self._send([Ready(info, stats, self.num_adds)])
         logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
         return engine
 
-    def _loop(self, engine: Any) -> None:
+    def _loop(self, engine: CoreEngine) -> None:
         commands = self.commands
         while True:
             busy = engine.has_unfinished_requests()
@@ -285,28 +277,24 @@ class EngineCore:
             self._count_iteration_tokens(engine)
             items = self._deltas(outputs, now)
             timings, self.timings = self.timings, StepTimings()
-            stats = plain_stats(engine.stats())
-            self._send([("step", now, stats, self.num_adds, items, timings or None)])
+            stats = engine.stats()
+            self._send([StepOutputs(stats, self.num_adds, items, timings or None)])
             if self.trace_path is not None:
                 self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
                 self._check_health(engine)
 
-    def _count_iteration_tokens(self, engine: Any) -> None:
-        computed = getattr(engine, "computed_tokens_total", None)
-        if computed is None:
-            return
+    def _count_iteration_tokens(self, engine: CoreEngine) -> None:
+        computed = engine.computed_tokens_total
         if computed > self.computed_tokens:
             self.timings.iteration_tokens.append(computed - self.computed_tokens)
         self.computed_tokens = computed
 
-    def _check_health(self, engine: Any) -> None:
+    def _check_health(self, engine: CoreEngine) -> None:
         self.next_health_check = time.monotonic() + HEALTH_CHECK_S
-        check = getattr(engine, "check_health", None)
-        if check is not None and check() is False:  # it raises with the reason, or says False
-            raise RuntimeError("the engine reports a failure (check_health)")
+        engine.check_health()  # raises with the reason
 
-    def _trace_step(self, start: float, stepped: float, stats: Any) -> None:
+    def _trace_step(self, start: float, stepped: float, stats: EngineStats) -> None:
         totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
         last = self.trace_totals or totals
         self.trace_totals = totals
@@ -328,7 +316,7 @@ class EngineCore:
 
     # ----- commands ----------------------------------------------------------------------
 
-    def _take_commands(self, engine: Any) -> None:
+    def _take_commands(self, engine: CoreEngine) -> None:
         commands = self.commands
         while True:
             try:
@@ -340,40 +328,39 @@ class EngineCore:
             if not commands.poll():
                 return
 
-    def _handle(self, engine: Any, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, params, arrival = command
+    def _handle(self, engine: CoreEngine, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            request_id = command.request_id
             self.num_adds += 1
             try:
-                engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                engine.add_request(
+                    request_id, command.prompt, command.params, arrival_time=command.arrival_time
+                )
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                self._send([("error", request_id, type(exc).__name__, str(exc))])
+                self._send([AddRejected(request_id, type(exc).__name__, str(exc))])
                 return
-            self.requests[request_id] = _CoreRequest(arrival, params)
-        elif kind == "abort":
+            self.requests[request_id] = _CoreRequest(command.arrival_time, command.params)
+        elif isinstance(command, AbortRequests):
             # The engine hands each aborted request back as finished ("abort") with the
             # next step: its latencies are counted then, like every other request's.
-            engine.abort_request(command[1])
-        elif kind == "stats":
-            pass  # every idle batch of commands is answered with stats anyway
-        elif kind == "shutdown":
+            engine.abort_request(command.request_ids)
+        elif isinstance(command, Shutdown):
             raise _Shutdown()
         else:
-            logger.warning("unknown engine-core command %r", kind)
+            logger.warning("unknown engine-core command %r", command)
 
     # ----- outputs -----------------------------------------------------------------------
 
-    def _deltas(self, outputs: list[Any], now: float) -> list[tuple]:
+    def _deltas(self, outputs: list[RequestOutput], now: float) -> list[RequestDelta]:
         """Each request's new output since the last step, and its latencies."""
-        items = []
+        items: list[RequestDelta] = []
         requests = self.requests
         timings = self.timings
         for output in outputs:
             request = requests.get(output.request_id)
             if request is None:
                 continue  # aborted, or the warm-up request
-            completions = []
+            completions: list[CompletionDelta] = []
             num_new = 0
             for completion in output.outputs:
                 delta = _completion_delta(request, completion)
@@ -390,32 +377,33 @@ class EngineCore:
             finished = output.finished
             if finished:
                 del requests[output.request_id]
-                timings.add_finished(request, output, now)
+                add_finished(timings, request, output, now)
             if completions or finished:
                 items.append((output.request_id, finished, completions, output.prompt_logprobs))
         return items
 
     # ----- sending -----------------------------------------------------------------------
 
-    def _send(self, messages: list[tuple]) -> None:
+    def _send(self, messages: list[Message]) -> None:
         try:
             self.outputs.send(messages)
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise _Shutdown() from exc  # the server is gone
 
-    def _send_stats(self, engine: Any) -> None:
+    def _send_stats(self, engine: CoreEngine) -> None:
         timings, self.timings = self.timings, StepTimings()
-        stats = plain_stats(engine.stats())
-        self._send([("stats", stats, self.num_adds, timings or None)])
+        self._send([Heartbeat(engine.stats(), self.num_adds, timings or None)])
 
     def _send_dead(self, reason: str) -> None:
         try:
-            self.outputs.send([("dead", reason)])
+            self.outputs.send([Dead(reason)])
         except (OSError, EOFError):
             pass
 
 
-def _completion_delta(request: _CoreRequest, completion: Any) -> tuple | None:
+def _completion_delta(
+    request: _CoreRequest, completion: CompletionOutput
+) -> CompletionDelta | None:
     """What to send of one completion's delta output (new token ids and logprobs; the
     text is cumulative and is cut here, holding back a possible stop string's start)."""
     index = completion.index
@@ -445,13 +433,13 @@ def _count(counts: dict[str, int], key: str) -> None:
     counts[key] = counts.get(key, 0) + 1
 
 
-def _warm_up(engine: Any) -> None:
+def _warm_up(engine: CoreEngine) -> None:
     """One short request through the whole path, so the first client does not pay for
     lazy initialisation (kernel compilation, allocator growth, CUDA graph capture). Its
     prompt is token ids: some tokenizers (word-level ones) encode arbitrary text to nothing."""
     request_id = f"warmup-{uuid.uuid4().hex}"
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size", None) or 1
+    vocab_size = engine.model_config.vocab_size
     engine.add_request(request_id, [i % vocab_size for i in range(_WARMUP_PROMPT_TOKENS)], params)
     for _ in range(_WARMUP_MAX_STEPS):
         if not engine.has_unfinished_requests():
@@ -479,7 +467,7 @@ def run_engine_core(
     config: EngineConfig,
     commands: multiprocessing.connection.Connection,
     outputs: multiprocessing.connection.Connection,
-    engine_factory: Callable[[EngineConfig], Any] = default_engine_factory,
+    engine_factory: EngineFactory = default_engine_factory,
     log_level: int = logging.INFO,
 ) -> None:
     """The engine-core process's entry point."""

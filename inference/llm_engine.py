@@ -26,6 +26,7 @@ import torch
 from inference.block_manager import BlockManager, prefix_cache_root
 from inference.config import EngineConfig
 from inference.detokenizer import IncrementalDetokenizer
+from inference.engine_messages import EngineStats
 from inference.engine_setup import (
     check_capacity,
     check_tensor_parallel,
@@ -54,20 +55,6 @@ logger = logging.getLogger(__name__)
 
 # With nothing else to run, how long a step waits for a grammar being built (not spinning).
 _GRAMMAR_WAIT_S = 0.01
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_total_blocks: int
-    num_free_blocks: int
-    num_preemptions_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
 
 
 @dataclass

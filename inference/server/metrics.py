@@ -32,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from inference.engine_core import StepTimings
+from inference.engine_messages import EngineInfo, EngineStats, StepTimings
 
 # vLLM exports no `*_created` series; dashboards and recording rules do not expect them.
 disable_created_metrics()
@@ -192,7 +192,7 @@ class ServerMetrics:
 
     # ----- EngineObserver hooks (event loop, with what the engine process reports) ------
 
-    def on_ready(self, info: Any, stats: Any) -> None:
+    def on_ready(self, info: EngineInfo, stats: EngineStats) -> None:
         config = info.config
         if self.request_prompt_tokens is None:
             buckets = build_1_2_5_buckets(int(config.max_model_len))
@@ -235,7 +235,7 @@ class ServerMetrics:
         self._last_totals = {field: getattr(stats, field) for field in _TOTALS}
         self.on_stats(stats, None)
 
-    def on_stats(self, stats: Any, timings: StepTimings | None) -> None:
+    def on_stats(self, stats: EngineStats, timings: StepTimings | None) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)

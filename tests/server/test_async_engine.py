@@ -57,7 +57,7 @@ def shared(tiny_model):
     async def start() -> None:
         assert not engine.ready
         engine.start()
-        assert engine.healthy
+        assert engine.health_problem is None
         await engine.wait_ready()
 
     loop.run(start())
@@ -81,7 +81,7 @@ def test_streams_cumulative_outputs_then_finishes(shared):
     loop, engine = shared
 
     async def scenario():
-        assert engine.ready and engine.healthy
+        assert engine.ready and engine.health_problem is None
         params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
         lengths = []
         async for output in engine.generate("The quick brown fox", params, "r1"):
@@ -214,7 +214,7 @@ def test_load_failure_marks_engine_dead(tmp_path):
         engine.start()
         with pytest.raises(EngineDeadError):
             await engine.wait_ready(timeout=60)
-        assert not engine.healthy and not engine.ready
+        assert engine.health_problem is not None and not engine.ready
         assert engine.failure is not None
         with pytest.raises(EngineDeadError):
             await anext(engine.generate("hi", SamplingParams()))

@@ -1,0 +1,86 @@
+"""The engine-process messages: the server unpickles every one of them without importing
+torch or the engine, and the core answers each command as the protocol says."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from inference.config import EngineConfig
+from inference.engine_core import EngineCore, _Shutdown
+from inference.engine_messages import (
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    Dead,
+    EngineInfo,
+    EngineStats,
+    Heartbeat,
+    Ready,
+    Resolved,
+    Shutdown,
+    StepOutputs,
+    StepTimings,
+)
+from inference.sampling_params import SamplingParams
+
+STATS = EngineStats(
+    num_running=1, num_waiting=0, kv_cache_usage=0.5, num_total_blocks=8, num_free_blocks=4,
+    num_preemptions_total=0, prefix_cache_queries_total=3, prefix_cache_hits_total=1,
+    prompt_tokens_total=5, generation_tokens_total=2,
+)  # fmt: skip
+
+
+def test_messages_unpickle_without_torch():
+    info = EngineInfo(
+        config=None, model_name="m", tokenizer_path="/t", vocab_size=10, num_total_blocks=8,
+        dtype="float32", device="cpu", tokenizer=object(),
+    )  # fmt: skip
+    delta = ("r1", True, [(0, [7], "hi", None, -0.5, "stop", None)], None)
+    messages = [
+        Resolved("/t"), Ready(info, STATS, 1), StepOutputs(STATS, 1, [delta], StepTimings(ttft=[0.1])),
+        Heartbeat(STATS, 1, None), AddRejected("r2", "ValueError", "bad"), Dead("gone"),
+    ]  # fmt: skip
+    data = pickle.dumps(messages)
+    assert pickle.loads(data)[2] == messages[2]
+    assert pickle.loads(data)[1].info.tokenizer is None  # the tokenizer never crosses
+    code = (
+        "import pickle, sys; messages = pickle.loads(sys.stdin.buffer.read()); "
+        "assert messages[2].outputs[0][2][0][2] == 'hi'; "
+        "assert 'torch' not in sys.modules, 'unpickling imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], input=data, check=True, timeout=120)
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list = []
+
+    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.added.append(request_id)
+
+    def abort_request(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+
+def test_core_answers_each_command():
+    received, sent = multiprocessing.Pipe(duplex=False)
+    core = EngineCore(EngineConfig.from_kwargs("unused"), commands=None, outputs=sent)
+    engine = _FakeEngine()
+    params = SamplingParams(max_tokens=2, stop=["END"])
+    core._handle(engine, AddRequest("ok", [1, 2], params, 1.0))
+    core._handle(engine, AddRequest("bad", "", params, 2.0))
+    core._handle(engine, AbortRequests(["ok", "gone"]))
+    assert engine.added == ["ok"] and engine.aborted == [["ok", "gone"]]
+    assert core.num_adds == 2 and list(core.requests) == ["ok"]
+    assert core.requests["ok"].arrival == 1.0 and core.requests["ok"].holdback == 2
+    assert received.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
+    with pytest.raises(_Shutdown):
+        core._handle(engine, Shutdown())
