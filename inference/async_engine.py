@@ -4,8 +4,9 @@ The engine runs in a process of its own (``inference/engine_core.py``): in the s
 process its step loop would share the GIL with the event loop that writes every token of
 every stream, and each would wait on the other. This side keeps the server's view:
 
-- requests go to the engine process as commands, through a sender thread (a full pipe must
-  never block the event loop);
+- requests go to the engine process as commands (the messages both ways are those of
+  ``inference/engine_messages.py``), through a sender thread (a full pipe must never block
+  the event loop);
 - a reader thread takes the engine's one message per step off the pipe (so the engine never
   waits on a busy event loop), unpickles it and hands it to the loop with one
   ``call_soon_threadsafe``; the loop appends each request's delta to that request's queue;

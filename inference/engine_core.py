@@ -105,7 +105,7 @@ class CoreEngine(Protocol):
 EngineFactory = Callable[[EngineConfig], CoreEngine]
 
 
-def engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
+def _engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
     return EngineInfo(
         config=engine.config,
         model_name=engine.model_name,
@@ -119,7 +119,7 @@ def engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
     )
 
 
-def add_finished(
+def _add_finished(
     timings: StepTimings, request: _CoreRequest, output: RequestOutput, now: float
 ) -> None:
     """A finished request's latencies and sizes, into ``timings``."""
@@ -250,7 +250,7 @@ class EngineCore:
             raise
         except Exception as exc:
             raise _StartError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
-        info = engine_info(engine, tokenizer_path)
+        info = _engine_info(engine, tokenizer_path)
         stats = engine.stats()
         self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
         self.computed_tokens = engine.computed_tokens_total
@@ -377,7 +377,7 @@ class EngineCore:
             finished = output.finished
             if finished:
                 del requests[output.request_id]
-                add_finished(timings, request, output, now)
+                _add_finished(timings, request, output, now)
             if completions or finished:
                 items.append((output.request_id, finished, completions, output.prompt_logprobs))
         return items
