@@ -84,3 +84,21 @@ def test_core_answers_each_command():
     assert received.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
     with pytest.raises(_Shutdown):
         core._handle(engine, Shutdown())
+
+
+def test_llm_engine_has_what_the_core_drives(tiny_model):
+    """The core reads these without probing: ``LLMEngine`` must keep every one."""
+    from inference.engine_core import CoreEngine
+    from inference.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(tiny_model, device="cpu", num_kv_blocks=8, max_num_seqs=2, max_model_len=64)
+    )
+    try:
+        members = set(CoreEngine.__annotations__) | {
+            name for name in vars(CoreEngine) if not name.startswith("_")
+        }
+        assert {"add_request", "step", "delta_outputs", "num_total_blocks"} <= members
+        assert [name for name in sorted(members) if not hasattr(engine, name)] == []
+    finally:
+        engine.shutdown()
