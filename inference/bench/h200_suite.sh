@@ -11,7 +11,8 @@ B="python3 -m inference.bench"
 PART=${1:-all}
 
 if [[ $PART == all || $PART == parity ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_sampler.py 2>&1 | tail -15
+  OUT=$OUT bash tests/gpu/run_suite.sh
+  python3 -m pytest -q -p no:cacheprovider tests/test_sampler.py 2>&1 | tail -3
 fi
 if [[ $PART == all || $PART == structured ]]; then
   # llguidance travels as a wheel (.whl/, see the device notes); a real tokenizer beside it
