@@ -239,3 +239,50 @@ def test_tp2_against_transformers(models, index):
     print(f"\nTP=2 {arch} {setting_id(setting)}: {report.summary()}")
     assert report.max_abs_diff <= FP32_TOL, report.summary()
     assert report.argmax_mismatches == 0, report.summary()
+
+
+# -- prompt logprobs ------------------------------------------------------------------
+@pytest.mark.parametrize("index", [0, 7, 13, 30])
+def test_prompt_logprobs(models, index):
+    """Every prompt token's logprob (and its top 2) against transformers float32, under
+    chunked prefill with CUDA graphs or eagerly, async or not, preemption, prefix caching."""
+    setting = GPU_MATRIX[index]
+    arch = ARCHS[index % len(ARCHS)]
+    folder, model = models[arch]
+    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
+                     **engine_args(setting, MAX_MODEL_LEN))
+    gen = torch.Generator().manual_seed(4000 + index)
+    shared = torch.randint(3, 300, (100,), generator=gen).tolist()
+    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 700, (10,), generator=gen)]
+    prompts += [shared + p[:50] for p in prompts[:4]] + [[7]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2,
+                            detokenize=False)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        got_by_id = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    got_by_id[out.request_id] = out.prompt_logprobs
+    finally:
+        engine.shutdown()
+    reference = model.to("cuda").float()
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        got = got_by_id[f"p{i}"]
+        assert len(got) == len(prompt) and got[0] is None, (i, len(got))
+        if len(prompt) == 1:
+            continue
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt], device="cuda")).logits[0].float()
+        ref = ref.log_softmax(-1).cpu()
+        for pos in range(1, len(prompt)):
+            entry, row = got[pos], ref[pos - 1]
+            assert prompt[pos] in entry, (i, pos)
+            for tid, lp in entry.items():
+                worst = max(worst, abs(lp.logprob - row[tid].item()))
+    print(f"\n{arch} prompt_logprobs {setting_id(setting)}: max |dlogprob| {worst:.2e}")
+    assert worst <= FP32_TOL, (arch, setting_id(setting), worst)
