@@ -107,7 +107,7 @@ def test_shared_prefix_small_budget(qwen_1p5b_shape, budget, prefix_caching):
     folder, reference = qwen_1p5b_shape
     engine = _engine(folder, dtype="float32", max_model_len=4608, max_num_seqs=64,
                      max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
-                     gpu_memory_utilization=0.5)
+                     num_kv_blocks=4096)
     workload = _shared_prefix_workload()
     results = run_workload(engine, workload)
     engine.shutdown()
@@ -150,10 +150,15 @@ def _gpu_matrix() -> list[dict]:
 GPU_MATRIX = _gpu_matrix()
 
 
-def _max_num_seqs(setting: dict) -> int:
-    """48, or the row's token budget when that is smaller (a step holds one token per
-    running sequence at least: the engine rejects max_num_seqs above the budget)."""
-    return min(48, setting["max_num_batched_tokens"] or 48)
+def _sizes(setting: dict) -> dict:
+    """max_num_seqs 48, or the row's token budget when that is smaller (a step holds one
+    token per running sequence at least: the engine rejects max_num_seqs above the budget);
+    a KV cache of a fixed number of blocks that holds every sequence at full length (unless
+    the row forces preemption), so that several engines share a GPU (run_suite.sh): sizing
+    from gpu_memory_utilization would count the other processes' caches against this one."""
+    max_num_seqs = min(48, setting["max_num_batched_tokens"] or 48)
+    blocks = -(-MAX_MODEL_LEN // setting["block_size"]) * max_num_seqs + 64
+    return dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +176,7 @@ def _run_matrix_row(models, index, setting, dtype="float32"):
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
     engine = _engine(folder, dtype=dtype, max_model_len=MAX_MODEL_LEN,
-                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
-                     **engine_args(setting, MAX_MODEL_LEN))
+                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     workload = random_workload(
         2000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
         block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
@@ -223,9 +227,8 @@ def test_tp2_against_transformers(models, index):
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
     engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
                      tensor_parallel_size=2,
-                     **engine_args(setting, MAX_MODEL_LEN))
+                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     try:
         workload = random_workload(
             3000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
@@ -250,8 +253,7 @@ def test_prompt_logprobs(models, index):
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
     engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                     max_num_seqs=_max_num_seqs(setting), gpu_memory_utilization=0.3,
-                     **engine_args(setting, MAX_MODEL_LEN))
+                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     gen = torch.Generator().manual_seed(4000 + index)
     shared = torch.randint(3, 300, (100,), generator=gen).tolist()
     prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()

@@ -43,7 +43,7 @@ def test_tp2_fp32_equals_cpu(setup, enforce_eager):
     folder, prompts, expected = setup
     with LLM(str(folder), device="cuda", dtype="float32", max_model_len=512,
              tensor_parallel_size=2, enforce_eager=enforce_eager,
-             gpu_memory_utilization=0.3) as llm:
+             num_kv_blocks=2048) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
 
