@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from inference.config import EngineConfig, ResolvedEngineConfig
-from inference.model_runner import ModelRunner
 from inference.models.config import ModelConfig
+from inference.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
     """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
-    from inference.distributed.parallel_state import check_divisible
+    from inference.parallel_state import check_divisible
 
     tp = config.tensor_parallel_size
     check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
@@ -59,7 +59,7 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
 def make_runner(config, model_config, model_path, device, dtype):
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, model_path, device, dtype)
-    from inference.distributed.executor import MultiprocExecutor
+    from inference.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, model_config, model_path, device, dtype)
 

@@ -36,9 +36,9 @@ from inference.engine_setup import (
     resolve_dtype,
 )
 from inference.model_files import load_tokenizer, resolve_model
-from inference.model_runner import StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from inference.runner.model_runner import StepHandle
 from inference.sampler import (
     PromptLogprobs,
     PromptLogprobsRequest,

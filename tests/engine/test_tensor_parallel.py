@@ -17,7 +17,7 @@ import torch
 from tiny_models import build_tiny_model
 
 from inference import LLM, SamplingParams
-from inference.distributed.parallel_state import check_divisible, kv_head_range, vocab_range
+from inference.parallel_state import check_divisible, kv_head_range, vocab_range
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -31,10 +31,10 @@ from multiprocessing.connection import wait
 import torch
 
 from inference.config import ResolvedEngineConfig
-from inference.distributed.parallel_state import free_local_port, kv_head_range
-from inference.distributed.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
-from inference.model_runner import build_step_inputs
+from inference.executor.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
 from inference.models.config import ModelConfig
+from inference.parallel_state import free_local_port, kv_head_range
+from inference.runner.step_inputs import build_step_inputs
 from inference.sampler import SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
 
