@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from inference.config import EngineConfig, ResolvedEngineConfig
+from inference.executor.interface import ModelExecutor
 from inference.models.config import ModelConfig
 from inference.runner.model_runner import ModelRunner
 
@@ -56,7 +57,9 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
         )
 
 
-def make_runner(config, model_config, model_path, device, dtype):
+def make_runner(config, model_config, model_path, device, dtype) -> ModelExecutor:
+    """The model in this process (one device), or tensor-parallel workers behind an
+    executor: either way, what the engine drives."""
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, model_path, device, dtype)
     from inference.executor.multiproc import MultiprocExecutor

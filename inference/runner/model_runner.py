@@ -160,6 +160,12 @@ class ModelRunner:
         """Nothing to release in-process; the tensor-parallel executor's counterpart stops
         its workers."""
 
+    @property
+    def dead_reason(self) -> str | None:
+        """None: the model runs in this process, with no worker that could die under it
+        (the tensor-parallel executor's counterpart reports a dead worker)."""
+        return None
+
     # -- one step ----------------------------------------------------------------------
     def _to_device(self, inputs: StepInputs):
         def to_device(array: np.ndarray) -> torch.Tensor:
