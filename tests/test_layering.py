@@ -5,7 +5,8 @@ and the layers below it, never one above. Every import counts, also one inside a
 or under ``TYPE_CHECKING``: a lazy upward import is still an upward dependency. Every
 module under ``inference/`` and ``kernels/`` must be in a layer, so a new module is placed
 on purpose. ``inference/bench/`` may import anything (it measures the whole stack), and
-only the ``pagoda`` command above it imports it.
+only the ``pagoda`` command above it imports it. The operator stands apart: it imports
+neither.
 """
 
 from __future__ import annotations
@@ -128,6 +129,16 @@ def test_imports_run_down_the_layers():
                 where = "in no layer" if layer is None else f"layer {layer}, above {own}"
                 upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({where})")
     assert upward == [], "imports that run up the stack:\n" + "\n".join(upward)
+
+
+def test_the_operator_never_imports_the_engine():
+    """The operator meets the engine only at its command line, probes and metric names."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "operator").rglob("*.py"))
+        for line, target in _first_party_imports(path)
+    ]
+    assert found == []
 
 
 @pytest.mark.parametrize(
