@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from inference.config import EngineConfig, ResolvedEngineConfig
-from inference.model_runner import ModelRunner
+from inference.executor.interface import ModelExecutor
 from inference.models.config import ModelConfig
+from inference.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
     """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
-    from inference.distributed.parallel_state import check_divisible
+    from inference.parallel_state import check_divisible
 
     tp = config.tensor_parallel_size
     check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
@@ -56,10 +57,12 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
         )
 
 
-def make_runner(config, model_config, model_path, device, dtype):
+def make_runner(config, model_config, model_path, device, dtype) -> ModelExecutor:
+    """The model in this process (one device), or tensor-parallel workers behind an
+    executor: either way, what the engine drives."""
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, model_path, device, dtype)
-    from inference.distributed.executor import MultiprocExecutor
+    from inference.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, model_config, model_path, device, dtype)
 

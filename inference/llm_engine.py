@@ -35,8 +35,8 @@ from inference.engine_setup import (
     resolve_device,
     resolve_dtype,
 )
+from inference.executor.interface import ModelExecutor, PendingStep
 from inference.model_files import load_tokenizer, resolve_model
-from inference.model_runner import StepHandle
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from inference.sampler import (
@@ -59,7 +59,7 @@ _GRAMMAR_WAIT_S = 0.01
 
 @dataclass
 class _LaunchedStep:
-    handle: StepHandle
+    handle: PendingStep
     seqs: list[Sequence]  # the sampled sequences, in sample-row order
     positions: list[int]  # where each one's placeholder sits in its token_ids
     # Penalties read the tokens, grammars must consume them before the next mask: the
@@ -106,7 +106,7 @@ class LLMEngine:
 
         # One GPU: the model runs in this process. Tensor parallel: worker processes hold
         # the shards; the executor offers the runner's methods.
-        self.runner = make_runner(
+        self.runner: ModelExecutor = make_runner(
             config, self.model_config, str(self.model_path), self.device, self.dtype
         )
         try:
@@ -569,7 +569,7 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise RuntimeError (with the reason) if the engine can no longer run steps: a
         tensor-parallel worker died or failed. Cheap; for the server's /health."""
-        reason = getattr(self.runner, "dead_reason", None)
+        reason = self.runner.dead_reason
         if reason is not None:
             raise RuntimeError(reason)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inference.distributed.parallel_state import ParallelContext
+from inference.parallel_state import ParallelContext
 
 
 def vocab_parallel_embedding(

@@ -19,16 +19,16 @@ import torch
 from torch import nn
 
 import kernels
-from inference.distributed.parallel_state import (
+from inference.layers.attention_metadata import AttentionMetadata
+from inference.layers.embedding import vocab_parallel_embedding, vocab_parallel_logits
+from inference.layers.rotary import build_cos_sin_cache
+from inference.models.config import ModelConfig
+from inference.parallel_state import (
     SINGLE,
     ParallelContext,
     kv_head_range,
     vocab_range,
 )
-from inference.layers.attention_metadata import AttentionMetadata
-from inference.layers.embedding import vocab_parallel_embedding, vocab_parallel_logits
-from inference.layers.rotary import build_cos_sin_cache
-from inference.models.config import ModelConfig
 from kernels.linear import MAX_M as SKINNY_MAX_M
 
 # Decode-sized steps go through kernels.linear (a Triton skinny GEMM where it beats cuBLAS);

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from inference.distributed.parallel_state import SINGLE, ParallelContext
 from inference.models import get_model_class
 from inference.models.config import ModelConfig
 from inference.models.llama import LlamaForCausalLM
+from inference.parallel_state import SINGLE, ParallelContext
 
 
 class SafetensorsWeight:

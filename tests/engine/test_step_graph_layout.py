@@ -12,8 +12,10 @@ from tiny_models import build_tiny_model
 
 from inference.config import EngineConfig
 from inference.layers.attention_metadata import AttentionMetadata
-from inference.model_runner import ModelRunner, StepInputs, pad_step_inputs
 from inference.models.config import ModelConfig
+from inference.runner.cuda_graphs import pad_step_inputs
+from inference.runner.model_runner import ModelRunner
+from inference.runner.step_inputs import StepInputs
 
 BLOCK = 16
 

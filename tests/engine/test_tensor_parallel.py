@@ -17,7 +17,7 @@ import torch
 from tiny_models import build_tiny_model
 
 from inference import LLM, SamplingParams
-from inference.distributed.parallel_state import check_divisible, kv_head_range, vocab_range
+from inference.parallel_state import check_divisible, kv_head_range, vocab_range
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -79,10 +79,31 @@ def outputs_by_tp(request, tmp_path_factory):
     for tp in (1, 2):
         with LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS) as llm:
             results[tp] = _workload(llm)
+            runner = llm.engine.runner
+            results[tp]["executor"] = (type(runner).__name__, _missing_members(runner))
             if tp == 2:
                 processes = llm.engine.runner.processes
     assert all(not p.is_alive() for p in processes), "workers must stop on shutdown"
     return results
+
+
+def _missing_members(runner) -> list[str]:
+    """The members of ``ModelExecutor`` that ``runner`` lacks (the engine calls them
+    without probing)."""
+    from inference.executor.interface import ModelExecutor
+
+    members = set(ModelExecutor.__annotations__) | {
+        name for name in vars(ModelExecutor) if not name.startswith("_")
+    }
+    assert {"launch", "load_seconds", "dead_reason", "close"} <= members
+    return [name for name in sorted(members) if not hasattr(runner, name)]
+
+
+def test_runner_and_executor_have_every_member_the_engine_calls(outputs_by_tp):
+    """One device: a ``ModelRunner``; tensor parallel: a ``MultiprocExecutor``. Both must
+    provide all of ``ModelExecutor``."""
+    assert outputs_by_tp[1]["executor"] == ("ModelRunner", [])
+    assert outputs_by_tp[2]["executor"] == ("MultiprocExecutor", [])
 
 
 def test_greedy_tokens_match_single_rank(outputs_by_tp):

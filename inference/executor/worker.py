@@ -103,8 +103,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 class _Worker:
     def __init__(self, args: WorkerArgs, conn) -> None:
-        from inference.distributed.parallel_state import init_parallel, with_small_all_reduce
-        from inference.model_runner import ModelRunner
+        from inference.parallel_state import init_parallel, with_small_all_reduce
+        from inference.runner.model_runner import ModelRunner
 
         self.rank = args.rank
         self.conn = conn
@@ -198,7 +198,7 @@ class _Worker:
         return self.runner.launch_inputs(inputs, sample_rows, sampling)
 
     def close(self) -> None:
-        from inference.distributed.parallel_state import destroy_parallel
+        from inference.parallel_state import destroy_parallel
 
         destroy_parallel(self.parallel)
 

@@ -3,8 +3,8 @@
 The engine process holds no GPU and no model. It spawns one worker per rank and talks to
 each over a ``multiprocessing`` pipe; the scheduler and block manager run once, here, and
 each step's inputs (``StepInputs``: a few numpy arrays) are pickled once and written to
-every pipe. The executor offers the methods the engine calls on a ``ModelRunner``, so the
-engine does not care which one it holds.
+every pipe. Like the single-device ``ModelRunner`` it implements ``ModelExecutor``
+(``interface``), so the engine does not care which one it holds.
 
 Failure handling: while waiting for a reply the executor also watches every worker's
 process sentinel, so a worker that dies (or raises) is noticed at once; the remaining
@@ -31,10 +31,10 @@ from multiprocessing.connection import wait
 import torch
 
 from inference.config import ResolvedEngineConfig
-from inference.distributed.parallel_state import free_local_port, kv_head_range
-from inference.distributed.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
-from inference.model_runner import build_step_inputs
+from inference.executor.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
 from inference.models.config import ModelConfig
+from inference.parallel_state import free_local_port, kv_head_range
+from inference.runner.step_inputs import build_step_inputs
 from inference.sampler import SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
 
@@ -111,7 +111,7 @@ class MultiprocExecutor:
             [r["pid"] for r in ready],
         )
 
-    # -- the ModelRunner interface ------------------------------------------------------
+    # -- the ModelExecutor interface ---------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
         """One rank's bytes per block (every rank holds the same number of KV heads)."""

@@ -1,0 +1,158 @@
+"""Imports in the engine run downward only, checked from the source (``ast``, no import).
+
+``LAYERS`` is the stack, written down once, top first: a module may import its own layer
+and the layers below it, never one above. Every import counts, also one inside a function
+or under ``TYPE_CHECKING``: a lazy upward import is still an upward dependency. Every
+module under ``inference/`` and ``kernels/`` must be in a layer, so a new module is placed
+on purpose. ``inference/bench/`` may import anything (it measures the whole stack), and
+only the ``pagoda`` command above it imports it. The operator stands apart: it imports
+neither.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("inference", "kernels")
+
+# An entry names a module or a package (then everything in it, unless a longer entry
+# names the module); "pkg.__init__" names a package's own __init__.py only.
+# Layer 0 is the top.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("inference.cli",),  # the `pagoda` command: serve, chat, bench, download
+    ("inference.bench",),  # benchmarks and GPU checks
+    ("inference.server",),  # the OpenAI-compatible HTTP API
+    ("inference.async_engine",),  # the server's asyncio front of the engine process
+    ("inference.engine_core", "inference.llm", "inference.__init__"),  # the engine's fronts
+    ("inference.llm_engine",),  # the step loop
+    ("inference.engine_setup",),  # an engine from its config
+    ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
+    ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
+    ("inference.models",),  # model families, weight loading
+    ("inference.layers",),  # attention metadata, embedding, rotary
+    ("inference.scheduler",),
+    ("inference.block_manager",),
+    ("inference.sampler", "inference.structured_output", "inference.detokenizer"),
+    ("inference.sequence",),
+    ("inference.engine_messages",),  # engine process <-> server
+    ("inference.config",),  # EngineConfig
+    (  # what a model is and where it comes from
+        "inference.models.config", "inference.model_files", "inference.model_shapes",
+        "inference.download",
+    ),
+    ("inference.sampling_params", "inference.outputs"),  # what a request asks and gets
+    ("inference.parallel_state",),  # process groups and collectives
+    ("kernels",),  # Triton kernels and their torch references
+)
+MAY_IMPORT_ANYTHING = ("inference.bench",)
+
+
+def _module_name(path: Path) -> str:
+    """``inference/server/app.py`` -> ``inference.server.app``; a package's
+    ``__init__.py`` -> ``pkg.__init__``."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _is_package(dotted: str) -> bool:
+    return (ROOT / Path(*dotted.split(".")) / "__init__.py").is_file()
+
+
+def _is_module(dotted: str) -> bool:
+    return _is_package(dotted) or (ROOT / Path(*dotted.split("."))).with_suffix(".py").is_file()
+
+
+def _as_module(dotted: str) -> str:
+    return f"{dotted}.__init__" if _is_package(dotted) else dotted
+
+
+def _layer(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (entry length, layer index)
+    for index, entries in enumerate(LAYERS):
+        for entry in entries:
+            if module == entry or module.startswith(entry + "."):
+                if best is None or len(entry) > best[0]:
+                    best = (len(entry), index)
+    return None if best is None else best[1]
+
+
+def _first_party_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of ``inference`` or ``kernels`` in the file."""
+    module = _module_name(path)
+    package = module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package, up level - 1 packages
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            # `from pkg import name`: the module pkg.name if there is one, else pkg itself.
+            targets = [
+                f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found += [
+            (node.lineno, _as_module(t))
+            for t in dict.fromkeys(targets)
+            if t.split(".")[0] in PACKAGES
+        ]
+    return found
+
+
+def _sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    unplaced = [_module_name(p) for p in _sources() if _layer(_module_name(p)) is None]
+    assert unplaced == [], f"add these to LAYERS in {Path(__file__).name}: {unplaced}"
+
+
+def test_imports_run_down_the_layers():
+    upward = []
+    for path in _sources():
+        module = _module_name(path)
+        own = _layer(module)
+        if own is None or module.startswith(MAY_IMPORT_ANYTHING):
+            continue
+        for line, target in _first_party_imports(path):
+            layer = _layer(target)
+            if layer is None or layer < own:
+                where = "in no layer" if layer is None else f"layer {layer}, above {own}"
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({where})")
+    assert upward == [], "imports that run up the stack:\n" + "\n".join(upward)
+
+
+def test_the_operator_never_imports_the_engine():
+    """The operator meets the engine only at its command line, probes and metric names."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "operator").rglob("*.py"))
+        for line, target in _first_party_imports(path)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("module", "target", "allowed"),
+    [
+        ("inference.models.llama", "inference.runner.model_runner", False),
+        ("inference.runner.model_runner", "inference.executor.worker", False),
+        ("inference.server.app", "inference.bench.common", False),
+        ("kernels.attention", "inference.config", False),
+        ("inference.config", "inference.models.config", True),
+        ("inference.executor.multiproc", "inference.runner.step_inputs", True),
+        ("inference.cli", "inference.bench.throughput", True),
+    ],
+)
+def test_the_order_says_what_it_should(module, target, allowed):
+    """The declared order itself: a few imports it must refuse and allow."""
+    assert (_layer(target) >= _layer(module)) is allowed
