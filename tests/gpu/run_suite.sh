@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite (tests/gpu) in one call. Its time is mostly engine start-ups (kernel
 # compiles, CUDA-graph capture) and host work, not GPU time, so on a machine of two or more
-# GPUs it runs as concurrent pytest processes: the single-GPU tests in four shards, two per
+# GPUs it runs as concurrent pytest processes: the single-GPU tests in six shards, three per
 # GPU (tests/gpu/conftest.py), and the tensor-parallel tests in two shards over both GPUs.
 # The tests size their KV caches in blocks, so engines sharing a GPU do not count each
 # other's caches against gpu_memory_utilization. On one GPU everything runs in turn.
@@ -15,8 +15,8 @@ PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider --durations=5 -s)
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 status=0
 if (( gpus >= 2 )); then
-  for i in 0 1 2 3; do
-    CUDA_VISIBLE_DEVICES=$((i % 2)) PAGODA_GPU_SHARD=$i/4 "${PYTEST[@]}" tests/gpu -k "not tp2" \
+  for i in 0 1 2 3 4 5; do
+    CUDA_VISIBLE_DEVICES=$((i % 2)) PAGODA_GPU_SHARD=$i/6 "${PYTEST[@]}" tests/gpu -k "not tp2" \
         > "$OUT/gpu-suite-shard$i.log" 2>&1 &
   done
   for i in 0 1; do
