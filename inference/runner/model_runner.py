@@ -266,7 +266,12 @@ class ModelRunner:
         if len(last_rows) == inputs.num_seqs and inputs.max_query_len == 1:
             last_hidden = hidden  # pure decode, every row sampled: no gather
         else:
-            last_hidden = hidden[torch.from_numpy(last_rows).to(self.device)]
+            rows = torch.from_numpy(last_rows)
+            if self.device.type == "cuda":
+                # From pinned memory: a copy from pageable memory waits for the stream, so
+                # the host would sit out this step's forward instead of preparing the next.
+                rows = rows.pin_memory()
+            last_hidden = hidden[rows.to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(last_hidden)
         sampled = self.sampler.sample(logits, sampling)
         self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
