@@ -23,6 +23,7 @@ from inference.config import EngineConfig, ResolvedEngineConfig
 from inference.model_shapes import SHAPES
 from inference.models.config import ModelConfig
 from inference.server.cli_serve import add_serve_args, engine_config, served_names
+from inference.server.tool_parsers import TOOL_PARSERS
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_COPIES = {
@@ -43,6 +44,7 @@ EVERY_KNOB = {
     "dtype": "bfloat16",
     "device": "cuda",
     "enablePrefixCaching": False,
+    "toolCallParser": "llama3_json",
     "extraArgs": ["--seed", "7", "--enforce-eager", "--no-async-scheduling"],
 }
 # LLMDeployment field -> EngineConfig field, for those that are engine settings.
@@ -94,6 +96,19 @@ def test_every_flag_the_operator_emits_parses_into_the_asked_settings() -> None:
     assert (resolved.seed, resolved.enforce_eager, resolved.async_scheduling) == (7, True, False)
     assert resolved.served_model_name == "Qwen/Qwen2.5-7B-Instruct"
     assert namespace.max_queue_len == 100 and namespace.port == 8000
+    assert namespace.tool_call_parser == "llama3_json" and namespace.enable_auto_tool_choice
+
+
+def test_no_tool_call_parser_leaves_auto_tool_choice_off() -> None:
+    namespace, _ = parse_and_resolve(deployment_args({}))
+    assert namespace.tool_call_parser is None and not namespace.enable_auto_tool_choice
+
+
+@pytest.mark.parametrize("copy_name", sorted(CRD_COPIES))
+def test_tool_call_parsers_are_the_servers(copy_name: str) -> None:
+    """The CRD, the operator's check and `pagoda serve --tool-call-parser` offer the same."""
+    crd_enum = crd_engine_schema(copy_name)["properties"]["toolCallParser"]["enum"]
+    assert crd_enum == list(operator_spec.TOOL_CALL_PARSERS) == list(TOOL_PARSERS)
 
 
 def test_the_operator_manages_only_flags_the_server_knows() -> None:

@@ -64,6 +64,9 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     ):
         if engine.get(field) is not None:
             args += [flag, str(engine[field])]
+    if engine.get("toolCallParser") is not None:
+        # The parser only reads the output for tool_choice "auto": naming it turns that on.
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", engine["toolCallParser"]]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).

@@ -18,6 +18,8 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 .. 256
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+# `pagoda serve --tool-call-parser` choices (the contract test keeps them the server's).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -40,6 +42,8 @@ MANAGED_FLAGS = (
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--max-queue-len",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
     "--api-key",
     "--shutdown-grace-seconds",
 )
@@ -246,6 +250,12 @@ def _engine_errors(engine: dict[str, Any]) -> list[str]:
         errors.append(f"spec.engine.dtype: must be one of {', '.join(DTYPES)}")
     if engine.get("device") not in DEVICES:
         errors.append(f"spec.engine.device: must be one of {', '.join(DEVICES)}")
+    parser = engine.get("toolCallParser")
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        errors.append(
+            f"spec.engine.toolCallParser: must be one of {', '.join(TOOL_CALL_PARSERS)} "
+            f"(got {parser!r})"
+        )
     if engine.get("device") == "cpu" and tp not in (None, 1):
         errors.append("spec.engine.tensorParallelSize: device cpu runs with 1 only")
     errors += _extra_args_errors(engine.get("extraArgs") or [])

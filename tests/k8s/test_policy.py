@@ -74,7 +74,8 @@ def test_each_invalid_field_is_named() -> None:
                 "gpuMemoryUtilization": 0,
                 "maxNumSeqs": 0,
                 "blockSize": 24,
-                "extraArgs": ["--max-num-seqs=4"],
+                "toolCallParser": "mistral",
+                "extraArgs": ["--max-num-seqs=4", "--tool-call-parser=hermes"],
             },
             "autoscaling": {"minReplicas": 5, "maxReplicas": 2},
             "tuning": {"mode": "Auto"},
@@ -89,6 +90,8 @@ def test_each_invalid_field_is_named() -> None:
         "spec.engine.maxNumSeqs",
         "spec.engine.blockSize",
         "spec.engine.extraArgs: --max-num-seqs",
+        "spec.engine.toolCallParser: must be one of hermes, llama3_json (got 'mistral')",
+        "spec.engine.extraArgs: --tool-call-parser",
         "spec.autoscaling: minReplicas must be <= maxReplicas",
         "spec.prometheus.url",
     ):
@@ -116,6 +119,7 @@ engine_values = st.fixed_dictionaries(
         "blockSize": st.sampled_from([0, 1, 3, 16, 24, 128, 256, 512]),
         "dtype": st.sampled_from(["auto", "bfloat16", "float8"]),
         "device": st.sampled_from(["auto", "cuda", "cpu"]),
+        "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
     },
 )
 
@@ -151,6 +155,7 @@ def test_serve_args_carry_every_engine_field() -> None:
                 "maxModelLen": 8192,
                 "dtype": "bfloat16",
                 "maxQueueLen": 100,
+                "toolCallParser": "hermes",
                 "enablePrefixCaching": False,
                 "extraArgs": ["--seed", "7"],
             },
@@ -173,10 +178,17 @@ def test_serve_args_carry_every_engine_field() -> None:
         "--max-num-batched-tokens": "4096",
         "--max-model-len": "8192",
         "--max-queue-len": "100",
+        "--enable-auto-tool-choice": "",
+        "--tool-call-parser": "hermes",
         "--no-enable-prefix-caching": "",
         "--shutdown-grace-seconds": "120",
         "--seed": "7",
     }
+
+
+def test_tool_calling_is_off_unless_a_parser_is_named() -> None:
+    args = serve_args(with_defaults({"model": {"name": "m"}}))
+    assert "--tool-call-parser" not in args and "--enable-auto-tool-choice" not in args
 
 
 def test_model_argument_follows_the_weights() -> None:
