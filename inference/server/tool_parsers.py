@@ -12,12 +12,19 @@ With ``tool_choice: "required"`` or a named function the output is forced by the
 engine instead, and its shape is ours: a JSON array of ``{"name", "parameters"}`` objects
 (``RequiredToolParser``), or the named function's arguments object (``NamedToolParser``).
 
-Every parser offers ``parse(text) -> (content, calls)`` for a finished output and
-``stream()`` for a streamed one: a ``ToolStream`` is fed each new piece of text and
+Every parser offers ``stream()``: a ``ToolStream`` is fed each new piece of the output and
 returns the content to send and the tool-call deltas (OpenAI's ``delta.tool_calls``
-entries). A call is sent once it is complete (its closing tag or brace has arrived) with its
-whole arguments; a named function's arguments stream as they are generated. Text that
-could still turn into a call is held back, never sent as content and then taken back.
+entries), as vLLM and OpenAI stream them: a call's first delta carries its index, id and
+name (arguments ""), as soon as the name is complete; its arguments follow in fragments as
+they are generated. The arguments are the model's own text of the arguments object, so the
+fragments add up to exactly what ``parse(text) -> (content, calls)`` finds in the finished
+output (it runs the same stream over the whole text). Text that could still turn into a call
+(a partial ``<tool_call>``) is held back, never sent as content and then taken back.
+
+A streamed call cannot be taken back either: once its name is out, a call cut short
+(``max_tokens``) stands with the arguments generated so far, as OpenAI's own truncated calls
+do (finish_reason "length"). ``parse`` sees the whole output, so there a cut-off call makes
+the output plain text again.
 """
 
 from __future__ import annotations
@@ -73,7 +80,8 @@ class ToolStream:
     """Streaming state of one choice; subclasses implement ``feed`` and ``finish``."""
 
     def __init__(self) -> None:
-        self.num_calls = 0
+        self.num_calls = 0  # calls sent so far: the next call's index
+        self.cut_short = False  # a sent call whose object never closed (set by finish)
 
     def feed(self, text: str) -> StreamStep:
         raise NotImplementedError
@@ -82,37 +90,226 @@ class ToolStream:
         """The output ended: whatever was held back, as content or calls."""
         raise NotImplementedError
 
-    def _whole_call(self, call: ParsedToolCall) -> ToolCallDelta:
-        delta = ToolCallDelta(self.num_calls, call.arguments, tool_call_id(), call.name)
+    def open_call(self, name: str) -> ToolCallDelta:
+        delta = ToolCallDelta(self.num_calls, "", tool_call_id(), name)
         self.num_calls += 1
         return delta
 
 
 class ToolParser:
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """(content, calls) of a finished output; content is None when empty."""
-        raise NotImplementedError
-
     def stream(self) -> ToolStream:
         raise NotImplementedError
 
-
-def _call_from_object(obj: Any, argument_keys: tuple[str, ...]) -> ParsedToolCall:
-    """A call from ``{"name": ..., <argument key>: {...}}``; ValueError otherwise."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("a tool call must be an object with a string name")
-    arguments: Any = {}
-    for key in argument_keys:
-        if key in obj:
-            arguments = obj[key]
-            break
-    if isinstance(arguments, str):
-        return ParsedToolCall(obj["name"], arguments)
-    return ParsedToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content, calls) of a finished output; content is None when empty. The calls are
+        what streaming the same text sends; a call cut short makes it all content."""
+        stream = self.stream()
+        content, deltas = stream.feed(text)
+        more_content, more_deltas = stream.finish()
+        if stream.cut_short:
+            return _content_or_none(text), []
+        calls: list[ParsedToolCall] = []
+        for delta in deltas + more_deltas:
+            if delta.name is not None:
+                calls.append(ParsedToolCall(delta.name, delta.arguments))
+            else:
+                calls[delta.index].arguments += delta.arguments
+        if not calls:
+            return _content_or_none(text), []
+        return _content_or_none((content + more_content).strip()), calls
 
 
 def _content_or_none(text: str) -> str | None:
     return text if text.strip() else None
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+@dataclass
+class _CallObject:
+    """One ``{...}`` the reader found; a call once it has a string name."""
+
+    index: int | None = None  # set when its first delta is sent
+    name: str | None = None
+    arguments_start: int | None = None  # an object or array: the model's text, streamed
+    arguments_end: int | None = None
+    arguments: str | None = None  # a string (decoded) or a scalar: sent once complete
+    sent: int = 0  # characters of the arguments sent
+    closed: bool = False
+
+
+class _CallReader:
+    """Finds tool-call objects ``{"name": ..., <arguments key>: ...}`` in JSON text fed a
+    piece at a time, at one nesting depth (0: top-level objects; 1: the elements of a
+    top-level array), and turns them into deltas for ``owner``: a call's first delta once
+    its name is complete (before or after its arguments), then its arguments' text as it
+    arrives. An object without a string name is not a call and sends nothing.
+
+    A character at a time, tracking strings and nesting: the keys and values of the
+    object's own level are all it needs to know. vLLM instead re-parses the whole prefix
+    with a partial-JSON parser each step and sends the growth of ``json.dumps`` of the
+    partial arguments, holding back what the completion may still change (a string's
+    closing quote, a number's digits); sending the span of the model's own text needs
+    neither, costs one pass over each new character and adds up exactly by construction."""
+
+    def __init__(self, owner: ToolStream, depth: int, keys: tuple[str, ...]) -> None:
+        self.owner = owner
+        self.depth = depth
+        self.keys = keys  # the argument keys, by preference
+        self.text = ""
+        self.level = 0
+        self.in_string = False
+        self.escaped = False
+        self.objects: list[_CallObject] = []
+        self.current: _CallObject | None = None
+        self.key: str | None = None  # the key whose value is being read
+        # what comes next at the object's level: key, colon, value, scalar (in a number or
+        # literal), nested (in an object or array), arguments (the arguments object), comma
+        self.expect = "key"
+        self.token_start = 0
+
+    @property
+    def in_call_string(self) -> bool:
+        """Within a JSON string inside an object (where a closing tag is just text)."""
+        return self.in_string and self.current is not None
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        base = len(self.text)
+        self.text += text
+        for offset, char in enumerate(text):
+            self._read(base + offset, char)
+        return self._deltas()
+
+    def finish(self) -> list[ToolCallDelta]:
+        if self.current is not None:
+            self._end_scalar(len(self.text))
+        deltas = self._deltas()
+        if any(o.index is not None and not o.closed for o in self.objects):
+            self.owner.cut_short = True
+        return deltas
+
+    @property
+    def made_calls(self) -> bool:
+        return any(o.index is not None for o in self.objects)
+
+    def _read(self, i: int, char: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+                if self._at_object_level():
+                    self._end_string(i)
+            return
+        at_level = self._at_object_level()
+        if char == '"':
+            self.in_string = True
+            if at_level:
+                self.token_start = i
+        elif char in "{[":
+            if at_level:
+                self._start_nested(i)
+            elif char == "{" and self.current is None and self.level == self.depth:
+                self.current = _CallObject()
+                self.objects.append(self.current)
+                self.expect = "key"
+            self.level += 1
+        elif char in "}]":
+            self.level = max(self.level - 1, 0)
+            if self.current is None:
+                return
+            if self.level == self.depth + 1:
+                self._end_nested(i + 1)
+            elif self.level <= self.depth:  # the object closed
+                self._end_scalar(i)
+                self.current.closed = True
+                self.current = None
+        elif at_level:
+            if char == ":" and self.expect == "colon":
+                self.expect = "value"
+            elif char == ",":
+                self._end_scalar(i)
+                self.expect = "key"
+            elif self.expect == "value" and not char.isspace():
+                self.token_start = i
+                self.expect = "scalar"
+
+    def _at_object_level(self) -> bool:
+        return self.current is not None and self.level == self.depth + 1
+
+    def _takes_arguments(self, obj: _CallObject) -> bool:
+        return self.key in self.keys and obj.arguments_start is None and obj.arguments is None
+
+    def _end_string(self, i: int) -> None:
+        assert self.current is not None
+        value = _loads(self.text[self.token_start : i + 1])
+        if self.expect == "key":
+            self.key = value if isinstance(value, str) else None
+            self.expect = "colon"
+        elif self.expect == "value":
+            if self.key == "name" and self.current.name is None and isinstance(value, str):
+                self.current.name = value
+            elif self._takes_arguments(self.current) and isinstance(value, str):
+                self.current.arguments = value  # arguments written as a JSON string
+            self.expect = "comma"
+
+    def _start_nested(self, i: int) -> None:
+        assert self.current is not None
+        if self.expect != "value":
+            return
+        if self._takes_arguments(self.current):
+            self.current.arguments_start = i
+            self.expect = "arguments"
+        else:
+            self.expect = "nested"
+
+    def _end_nested(self, end: int) -> None:
+        assert self.current is not None
+        if self.expect == "arguments":
+            self.current.arguments_end = end
+        if self.expect in ("arguments", "nested"):
+            self.expect = "comma"
+
+    def _end_scalar(self, end: int) -> None:
+        assert self.current is not None
+        if self.expect == "scalar":
+            if self._takes_arguments(self.current):
+                self.current.arguments = self.text[self.token_start : end].strip()
+            self.expect = "comma"
+
+    def _deltas(self) -> list[ToolCallDelta]:
+        deltas = []
+        for obj in self.objects:
+            if obj.index is None:
+                if obj.name is None:
+                    continue  # not a call (yet)
+                opening = self.owner.open_call(obj.name)
+                obj.index = opening.index
+                deltas.append(opening)
+            fragment = self._unsent_arguments(obj)
+            if fragment:
+                deltas.append(ToolCallDelta(obj.index, fragment))
+        return deltas
+
+    def _unsent_arguments(self, obj: _CallObject) -> str:
+        if obj.arguments_start is not None:
+            end = obj.arguments_end if obj.arguments_end is not None else len(self.text)
+            fragment = self.text[obj.arguments_start + obj.sent : end]
+        elif obj.arguments is not None:
+            fragment = obj.arguments[obj.sent :]
+        elif obj.closed and obj.sent == 0:
+            fragment = "{}"  # a call without arguments
+        else:
+            return ""
+        obj.sent += len(fragment)
+        return fragment
 
 
 # ----- hermes ----------------------------------------------------------------------------
@@ -122,26 +319,6 @@ _HERMES_KEYS = ("arguments", "parameters")
 
 
 class HermesToolParser(ToolParser):
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        if _HERMES_START not in text:
-            return _content_or_none(text), []
-        content, calls = [], []
-        rest = text
-        try:
-            while True:
-                start = rest.find(_HERMES_START)
-                if start < 0:
-                    content.append(rest)
-                    break
-                content.append(rest[:start])
-                rest = rest[start + len(_HERMES_START) :]
-                end = rest.find(_HERMES_END)
-                body, rest = (rest, "") if end < 0 else (rest[:end], rest[end + len(_HERMES_END) :])
-                calls.append(_call_from_object(json.loads(body), _HERMES_KEYS))
-        except ValueError:
-            return _content_or_none(text), []  # not calls after all: the text as written
-        return _content_or_none("".join(content).strip()), calls
-
     def stream(self) -> ToolStream:
         return _HermesStream()
 
@@ -149,48 +326,56 @@ class HermesToolParser(ToolParser):
 class _HermesStream(ToolStream):
     def __init__(self) -> None:
         super().__init__()
-        self.buffer = ""  # text not yet sent
-        self.inside = False  # within <tool_call> ... </tool_call>
+        self.buffer = ""  # text not yet read
+        self.reader: _CallReader | None = None  # within <tool_call> ... </tool_call>
 
     def feed(self, text: str) -> StreamStep:
         self.buffer += text
-        content, calls = [], []
+        content: list[str] = []
+        calls: list[ToolCallDelta] = []
         while True:
-            if not self.inside:
+            if self.reader is None:
                 start = self.buffer.find(_HERMES_START)
                 if start < 0:
                     keep = _partial_suffix(self.buffer, _HERMES_START)
-                    content.append(self.buffer[: len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    content.append(self._take(len(self.buffer) - keep))
                     break
-                content.append(self.buffer[:start])
-                self.buffer = self.buffer[start + len(_HERMES_START) :]
-                self.inside = True
+                content.append(self._take(start))
+                self._take(len(_HERMES_START))
+                self.reader = _CallReader(self, 0, _HERMES_KEYS)
+                continue
+            end = self.buffer.find(_HERMES_END)
+            if end < 0:
+                keep = _partial_suffix(self.buffer, _HERMES_END)
+                calls += self.reader.feed(self._take(len(self.buffer) - keep))
+                break
+            calls += self.reader.feed(self._take(end))
+            tag = self._take(len(_HERMES_END))
+            if self.reader.in_call_string:
+                calls += self.reader.feed(tag)  # the tag is text within an argument
             else:
-                end = self.buffer.find(_HERMES_END)
-                if end < 0:
-                    break
-                body = self.buffer[:end]
-                self.buffer = self.buffer[end + len(_HERMES_END) :]
-                self.inside = False
-                self._emit(body, content, calls, closed=True)
+                self._close(content, calls, closed=True)
         return "".join(content), calls
 
     def finish(self) -> StreamStep:
         content: list[str] = []
         calls: list[ToolCallDelta] = []
-        if self.inside:
-            self._emit(self.buffer, content, calls, closed=False)
-        else:
-            content.append(self.buffer)
-        self.buffer, self.inside = "", False
+        if self.reader is not None:
+            calls += self.reader.feed(self._take(len(self.buffer)))
+            self._close(content, calls, closed=False)
+        content.append(self._take(len(self.buffer)))
         return "".join(content), calls
 
-    def _emit(self, body: str, content: list[str], calls: list[ToolCallDelta], closed: bool):
-        try:
-            calls.append(self._whole_call(_call_from_object(json.loads(body), _HERMES_KEYS)))
-        except ValueError:
-            content.append(_HERMES_START + body + (_HERMES_END if closed else ""))
+    def _take(self, size: int) -> str:
+        taken, self.buffer = self.buffer[:size], self.buffer[size:]
+        return taken
+
+    def _close(self, content: list[str], calls: list[ToolCallDelta], closed: bool) -> None:
+        assert self.reader is not None
+        reader, self.reader = self.reader, None
+        calls += reader.finish()
+        if not reader.made_calls:  # not a call after all: the text as written
+            content.append(_HERMES_START + reader.text + (_HERMES_END if closed else ""))
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -203,93 +388,26 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 # ----- JSON objects: llama3_json and tool_choice "required" ------------------------------
 
-class _JsonScanner:
-    """Finds where JSON objects at a given nesting depth end, fed a piece at a time."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth  # 0: top-level objects; 1: the elements of a top-level array
-        self.level = 0
-        self.in_string = False
-        self.escaped = False
-        self.text = ""
-        self.start: int | None = None
-
-    def feed(self, text: str) -> list[str]:
-        """The objects at ``depth`` that this piece completes, as text."""
-        done = []
-        base = len(self.text)
-        self.text += text
-        for offset, char in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-                continue
-            if char == '"':
-                self.in_string = True
-            elif char in "{[":
-                if char == "{" and self.level == self.depth:
-                    self.start = base + offset
-                self.level += 1
-            elif char in "}]":
-                self.level -= 1
-                if char == "}" and self.level == self.depth and self.start is not None:
-                    done.append(self.text[self.start : base + offset + 1])
-                    self.start = None
-        return done
-
-
 _LLAMA_TAG = "<|python_tag|>"
 _LLAMA_KEYS = ("parameters", "arguments")
 
 
 class Llama3JsonToolParser(ToolParser):
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        body = text.strip().removeprefix(_LLAMA_TAG).lstrip()
-        if not body.startswith("{"):
-            return _content_or_none(text), []
-        decoder = json.JSONDecoder()
-        calls, position = [], 0
-        try:
-            while position < len(body):
-                obj, position = decoder.raw_decode(body, position)
-                calls.append(_call_from_object(obj, _LLAMA_KEYS))
-                while position < len(body) and body[position] in " \t\r\n;":
-                    position += 1
-        except ValueError:
-            return _content_or_none(text), []
-        return None, calls
-
     def stream(self) -> ToolStream:
-        return _ObjectStream(_JsonScanner(0), _LLAMA_KEYS, decide_by_first_char=True)
+        return _ObjectStream(0, _LLAMA_KEYS, decide_by_first_char=True)
 
 
 class RequiredToolParser(ToolParser):
     """The output forced by ``tool_choice: "required"``: ``[{"name", "parameters"}, ...]``."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        try:
-            items = json.loads(text)
-            if not isinstance(items, list):
-                raise ValueError("not a list")
-            return None, [_call_from_object(item, ("parameters",)) for item in items]
-        except ValueError:
-            return _content_or_none(text), []  # cut short (max_tokens): hand back the text
-
     def stream(self) -> ToolStream:
-        return _ObjectStream(_JsonScanner(1), ("parameters",), decide_by_first_char=False)
+        return _ObjectStream(1, ("parameters",), decide_by_first_char=False)
 
 
 class _ObjectStream(ToolStream):
-    def __init__(
-        self, scanner: _JsonScanner, keys: tuple[str, ...], decide_by_first_char: bool
-    ) -> None:
+    def __init__(self, depth: int, keys: tuple[str, ...], decide_by_first_char: bool) -> None:
         super().__init__()
-        self.scanner = scanner
-        self.keys = keys
+        self.reader = _CallReader(self, depth, keys)
         # llama3_json: the first visible character says whether this is a call at all.
         self.mode: str | None = None if decide_by_first_char else "calls"
         self.pending = ""  # leading whitespace before the decision
@@ -305,19 +423,15 @@ class _ObjectStream(ToolStream):
             text, self.pending = self.pending, ""
         if self.mode == "content":
             return text, []
-        calls = []
-        for body in self.scanner.feed(text):
-            try:
-                calls.append(self._whole_call(_call_from_object(json.loads(body), self.keys)))
-            except ValueError:
-                continue  # not a call object (never with a grammar-forced output)
-        return "", calls
+        return "", self.reader.feed(text)
 
     def finish(self) -> StreamStep:
-        if self.mode == "calls" and self.num_calls == 0:
-            # Nothing parsed as a call: the text was content after all.
-            return self.scanner.text, []
-        return self.pending, []
+        if self.mode != "calls":
+            return self.pending, []
+        calls = self.reader.finish()
+        if self.num_calls == 0:
+            return self.reader.text, []  # nothing was a call: the text was content after all
+        return "", calls
 
 
 class NamedToolParser(ToolParser):
@@ -341,13 +455,12 @@ class _NamedStream(ToolStream):
     def feed(self, text: str) -> StreamStep:
         if not text:
             return "", []
-        if self.num_calls == 0:
-            return "", [self._whole_call(ParsedToolCall(self.name, text))]
-        return "", [ToolCallDelta(0, text)]
+        opening = [self.open_call(self.name)] if self.num_calls == 0 else []
+        return "", [*opening, ToolCallDelta(0, text)]
 
     def finish(self) -> StreamStep:
         if self.num_calls == 0:  # no argument text at all: still one call
-            return "", [self._whole_call(ParsedToolCall(self.name, ""))]
+            return "", [self.open_call(self.name)]
         return "", []
 
 

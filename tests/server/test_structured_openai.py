@@ -154,10 +154,15 @@ def _accumulate_tool_calls(chunks) -> tuple[dict[int, dict], str | None, str]:
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            entry = calls.setdefault(
+                delta.index, {"id": None, "name": None, "arguments": "", "fragments": 0}
+            )
             if delta.id:
+                assert delta.function.arguments == ""  # the first delta names the call
                 entry["id"], entry["name"] = delta.id, delta.function.name
-            entry["arguments"] += delta.function.arguments or ""
+            else:
+                entry["arguments"] += delta.function.arguments
+                entry["fragments"] += 1
         finish = choice.finish_reason or finish
     return calls, finish, content
 
@@ -174,6 +179,7 @@ def test_tool_choice_required(client, stream):
         )
         parsed = [(c["id"], c["name"], c["arguments"]) for c in calls.values()]
         assert content == ""
+        assert all(c["fragments"] > 1 for c in calls.values())  # streamed as generated
     else:
         choice = client.chat.completions.create(**kwargs).choices[0]
         finish = choice.finish_reason

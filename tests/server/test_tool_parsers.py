@@ -1,4 +1,6 @@
-"""Tool-call parsers on hand-written model outputs, whole and streamed in every split."""
+"""Tool-call parsers on hand-written model outputs, whole and streamed in every split: a
+streamed call opens with its id and name (arguments "") and its arguments follow in
+fragments as they are generated, adding up to exactly the non-streamed arguments."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ def calls_of(parser: ToolParser, text: str):
     return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-def streamed(parser: ToolParser, text: str, piece: int):
-    """Feed ``text`` in pieces of ``piece`` characters; (content, calls) as a client
-    that concatenates the deltas sees them."""
+def streamed_raw(parser: ToolParser, text: str, piece: int):
+    """Feed ``text`` in pieces of ``piece`` characters; (content, [(name, arguments text,
+    number of argument fragments)]) as a client that concatenates the deltas sees them."""
     stream = parser.stream()
     content, calls = "", {}
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
@@ -31,14 +33,25 @@ def streamed(parser: ToolParser, text: str, piece: int):
     for delta_content, deltas in steps:
         content += delta_content
         for delta in deltas:
-            entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
             if delta.id is not None:
-                assert entry["id"] is None, "a call's id is sent once"
-                entry["id"], entry["name"] = delta.id, delta.name
-            entry["arguments"] += delta.arguments
-    assert all(c["id"] and c["id"].startswith("chatcmpl-tool-") for c in calls.values())
+                assert delta.index not in calls, "a call's id is sent once"
+                assert delta.index == len(calls), "calls are numbered 0, 1, ... in order"
+                assert delta.arguments == "", "the first delta names the call only"
+                assert delta.id.startswith("chatcmpl-tool-") and delta.name
+                calls[delta.index] = {"name": delta.name, "arguments": "", "fragments": 0}
+            else:
+                entry = calls[delta.index]  # never a fragment before its call's first delta
+                assert delta.arguments, "no empty fragments"
+                entry["arguments"] += delta.arguments
+                entry["fragments"] += 1
+        assert "<tool_call>" not in content and "</tool_call>" not in content or not calls
     ordered = [calls[i] for i in sorted(calls)]
-    return content, [(c["name"], json.loads(c["arguments"])) for c in ordered]
+    return content, [(c["name"], c["arguments"], c["fragments"]) for c in ordered]
+
+
+def streamed(parser: ToolParser, text: str, piece: int):
+    content, calls = streamed_raw(parser, text, piece)
+    return content, [(name, json.loads(arguments)) for name, arguments, _ in calls]
 
 
 HERMES_CASES = [
@@ -82,8 +95,15 @@ LLAMA_CASES = [
     ('<|python_tag|>{"name": "a", "parameters": {"n": [1, 2]}}; {"name": "b", "arguments": {}}',
      None, [("a", {"n": [1, 2]}), ("b", {})]),
     ("The weather is fine.", "The weather is fine.", []),
-    ('{"name": "broken", "parameters": ', '{"name": "broken", "parameters": ', []),
+    # Arguments before the name, and as a JSON string (as some models write them).
+    ('{"parameters": {"q": "}{"}, "name": "late"}; {"name": "s", "parameters": "{\\"k\\": 1}"}',
+     None, [("late", {"q": "}{"}), ("s", {"k": 1})]),
 ]
+# Cut off once the name is out: the call was already sent when streaming, so it stands
+# with the arguments generated so far (as OpenAI's own truncated calls do); not streamed,
+# the output is returned as the text it is.
+LLAMA_CUT = '{"name": "broken", "parameters": {"x": '
+
 
 
 @pytest.mark.parametrize("text, content, calls", LLAMA_CASES)
@@ -97,6 +117,57 @@ def test_llama3_json_streamed(text, content, calls, piece):
     streamed_content, streamed_calls = streamed(Llama3JsonToolParser(), text, piece)
     assert streamed_calls == calls
     assert (streamed_content or None) == content
+
+
+def test_llama3_json_cut_short():
+    assert calls_of(Llama3JsonToolParser(), LLAMA_CUT) == (LLAMA_CUT, [])
+    for piece in (1, 1000):
+        content, calls = streamed_raw(Llama3JsonToolParser(), LLAMA_CUT, piece)
+        assert content == "" and [c[:2] for c in calls] == [("broken", '{"x": ')]
+
+
+LONG_ARGUMENTS = (
+    '{"query": "the history of paged attention in LLM serving, with sources", '
+    '"filters": {"years": [2023, 2024], "lang": "en", "note": "quote \\"this\\" \\u00e9"}, '
+    '"limit": 10}'
+)
+STREAMING_CASES = [
+    (HermesToolParser, "I will look that up.\n<tool_call>\n"
+     f'{{"name": "search", "arguments": {LONG_ARGUMENTS}}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>',
+     "I will look that up.\n\n"),  # all text between the calls is content
+    (Llama3JsonToolParser, f'{{"name": "search", "parameters": {LONG_ARGUMENTS}}}; '
+     '{"name": "clock", "parameters": {}}', ""),
+    (RequiredToolParser, f'[{{"name": "search", "parameters": {LONG_ARGUMENTS}}}, '
+     '{"name": "clock", "parameters": {}}]', ""),
+]
+
+
+@pytest.mark.parametrize("parser_class, text, content", STREAMING_CASES)
+@pytest.mark.parametrize("piece", [1, 2, 5])
+def test_arguments_stream_as_they_are_generated(parser_class, text, content, piece):
+    """A long argument arrives in many fragments, which add up to exactly the arguments
+    the whole output parses to; the content before the calls streams, the markup never."""
+    streamed_content, calls = streamed_raw(parser_class(), text, piece)
+    _, whole = parser_class().parse(text)
+    assert [(c.name, c.arguments) for c in whole] == [c[:2] for c in calls]
+    assert [c[0] for c in calls] == ["search", "clock"]
+    assert calls[0][1] == LONG_ARGUMENTS and json.loads(calls[0][1])["limit"] == 10
+    assert calls[0][2] > 10  # many fragments, not one whole
+    assert calls[1][1] == "{}"
+    assert streamed_content == content
+
+
+def test_hermes_content_streams_before_the_call_completes():
+    stream = HermesToolParser().stream()
+    assert stream.feed("Sure") == ("Sure", [])
+    assert stream.feed(", checking.<tool") == (", checking.", [])  # "<tool" may be a tag
+    assert stream.feed('_call>{"name": "f') == ("", [])
+    (first,) = stream.feed('n", "arguments": ')[1]
+    assert (first.index, first.name, first.arguments) == (0, "fn", "")
+    assert [d.arguments for d in stream.feed('{"a": [1,')[1]] == ['{"a": [1,']
+    assert [d.arguments for d in stream.feed(" 2]}}")[1]] == [" 2]}"]
+    assert stream.feed("</tool_call> Done.") == (" Done.", [])
 
 
 def test_required_array():
@@ -115,7 +186,7 @@ def test_named_function_streams_its_arguments():
     assert calls_of(parser, text) == (None, [("lookup", {"term": "llama", "limit": 3})])
     stream = parser.stream()
     first = stream.feed(text[:5])[1]
-    assert first[0].name == "lookup" and first[0].arguments == text[:5]
+    assert [(d.name, d.arguments) for d in first] == [("lookup", ""), (None, text[:5])]
     rest = stream.feed(text[5:])[1]
     assert rest[0].id is None and rest[0].arguments == text[5:]
     assert streamed(parser, text, 2) == ("", [("lookup", {"term": "llama", "limit": 3})])
