@@ -67,6 +67,9 @@ HERMES_CASES = [
         "Let me check both.",
         [("a", {"x": 1}), ("b", {"s": "</tool"})],
     ),
+    # A closing tag inside an argument string is text, not the end of the call.
+    ('<tool_call>{"name": "say", "arguments": {"text": "</tool_call> ends it"}}</tool_call>',
+     None, [("say", {"text": "</tool_call> ends it"})]),
     # Cut off before its closing tag (max_tokens at the very end): still a call.
     ('<tool_call>\n{"name": "a", "arguments": {}}', None, [("a", {})]),
     ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
