@@ -15,6 +15,8 @@ import openai
 import pytest
 from server_harness import ServerThread
 
+from inference.server.tool_parsers import TOOL_PARSERS
+
 MODEL = "smollm2"
 TOOLS = [
     {"type": "function", "function": {
@@ -60,7 +62,7 @@ def _request(parser: str) -> dict:
 
 def test_tool_calls_stream_incrementally(served):
     """One streamed request, read chunk by chunk and by the client's own accumulation
-    (ChatCompletionStreamState); one not streamed, for the arguments to compare."""
+    (ChatCompletionStreamState), against what the whole output parses to."""
     parser, client = served
     _, expected_content = SCRIPTS[parser]
     calls: dict[int, dict] = {}
@@ -97,8 +99,10 @@ def test_tool_calls_stream_incrementally(served):
             for c in accumulated.message.tool_calls] == streamed
     assert all(c.id.startswith("chatcmpl-tool-") for c in accumulated.message.tool_calls)
 
-    whole = client.chat.completions.create(**_request(parser)).choices[0]
-    assert whole.finish_reason == "tool_calls"
-    assert whole.message.content == (expected_content or None)
-    assert [(c.function.name, c.function.arguments)
-            for c in whole.message.tool_calls] == streamed
+    # Not streamed, the server parses the same output text with the same parser (one
+    # generation less on a 2-core CI box; tests/server/test_structured_openai.py covers
+    # non-streamed tool calls over HTTP).
+    script, _ = SCRIPTS[parser]
+    content_whole, whole = TOOL_PARSERS[parser]().parse(script)
+    assert content_whole == (expected_content or None)
+    assert [(c.name, c.arguments) for c in whole] == streamed
