@@ -129,15 +129,22 @@ def test_a_queue_that_lasts_or_hurts_gives_the_saturated_rate() -> None:
     assert run.state is not None and run.state["capacity"] is None
 
 
+def measured(run: Run, requests_per_pod: float) -> Run:
+    """``run`` with a saturated rate measured one window ago (for requests like IDLE's)."""
+    run.state = {"capacity": {"requestsPerPod": requests_per_pod,
+                              "promptTokensPerRequest": 0.0, "time": run.now}}  # fmt: skip
+    return run
+
+
 def test_the_window_that_judges_a_change_gives_the_saturated_rate() -> None:
     # Idle on 2 engines, so one goes; on the one left a queue builds for two windows.
-    run = Run(settings(replicas=2), limits())
+    run = measured(Run(settings(replicas=2), limits()), 8.0)
     assert run.until_change(IDLE).new == 1
     one_engine = dataclasses.replace(
         QUEUED_WITH_FULL_KV, pods=1, requests_per_s=10.0, queue_growth_per_s=1.0
     )
     assert run.step(one_engine).action == "hold"  # rolled out; its full window follows
-    assert run.state is not None and run.state["capacity"] is None
+    assert run.state is not None and run.state["capacity"]["requestsPerPod"] == 8
     decision = run.step(one_engine)  # the window that judges it: saturated, and reverted
     assert decision.action == "revert"
     assert run.state["capacity"]["requestsPerPod"] == 10
@@ -157,7 +164,7 @@ def test_scale_down_by_measured_rate_keeps_what_the_load_needs() -> None:
 
 
 def test_idle_removes_one_replica_after_a_longer_streak() -> None:
-    run = Run(settings(replicas=3), limits())
+    run = measured(Run(settings(replicas=3), limits()), 10.0)
     for _ in range(3):
         assert run.step(IDLE).action == "hold"
     decision = run.step(IDLE)
@@ -177,21 +184,65 @@ def test_idle_keeps_replicas_the_load_still_needs() -> None:
     assert all(run.step(busy_but_fast).action == "hold" for _ in range(20))
 
 
-def test_sustained_preemptions_halve_max_num_seqs() -> None:
-    memory_pinned = limits(
-        bounds={REPLICAS: (1, 8), MAX_NUM_SEQS: (8, 256)},
-        fixed={GPU_MEMORY_UTILIZATION: "pinned"},
-    )
-    run = Run(settings(seqs=128), memory_pinned)
-    assert [run.step(PREEMPTING).action for _ in range(2)] == ["hold", "hold"]
-    decision = run.step(PREEMPTING)
-    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 128, 64)
-    assert "preemptions/s" in decision.reason
+def test_sustained_preemptions_fit_max_num_seqs_to_the_cache() -> None:
+    run = Run(settings(seqs=256), limits())
+    sustained = dataclasses.replace(PREEMPTING, preemptions_per_s=0.4)  # no storm
+    assert [run.step(sustained).action for _ in range(2)] == ["hold", "hold"]
+    decision = run.step(sustained)
+    # 60 sequences an engine filled 97 % of the cache: 46 fill 75 % of it.
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 256, 46)
+    assert "preemptions/s" in decision.reason and "outgrows the KV cache" in decision.reason
 
 
-def test_preemptions_with_memory_headroom_raise_gpu_memory_first() -> None:
+def test_preemptions_lower_max_num_seqs_at_least_by_half() -> None:
+    nearly_fits = dataclasses.replace(PREEMPTING, requests_running=240.0)
+    decision = Run(settings(seqs=128), limits()).until_change(nearly_fits)
+    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 64)
+
+
+def test_a_preemption_storm_acts_in_its_first_window() -> None:
+    storm = dataclasses.replace(PREEMPTING, preemptions_per_s=20.0)
+    decision = Run(settings(seqs=256), limits()).step(storm)
+    assert (decision.action, decision.knob, decision.new) == ("change", MAX_NUM_SEQS, 46)
+
+
+def test_preemptions_lower_max_num_seqs_before_raising_gpu_memory() -> None:
     decision = Run(settings(seqs=128, memory=0.9), limits()).until_change(PREEMPTING)
-    assert (decision.knob, decision.new) == (GPU_MEMORY_UTILIZATION, 0.92)
+    assert decision.knob == MAX_NUM_SEQS
+
+
+def test_no_scale_down_without_a_measured_saturated_rate() -> None:
+    # One request in flight per 128 slots, for an hour: without a rate measured at
+    # saturation, removing a replica would be a guess that can break the SLO.
+    run = Run(settings(replicas=3, seqs=128), limits())
+    assert all(run.step(IDLE).action == "hold" for _ in range(60))
+
+
+def test_severe_overload_after_a_kept_scale_up_acts_before_the_cooldown_ends() -> None:
+    run = Run(settings(replicas=2), limits())
+    flood = window(requests_waiting=400.0, requests_running=100.0, kv_cache_usage=0.8,
+                   ttft_p95_s=20.0, aborted_per_s=40.0)  # fmt: skip
+    assert (run.until_change(flood).knob, run.settings[REPLICAS]) == (REPLICAS, 6)
+    assert run.step(flood).action == "hold"  # the window of the rollout
+    decision = run.step(flood)  # judged and kept, and still clients give up
+    assert decision.verdict is not None and decision.verdict.startswith("kept replicas 2 -> 6")
+    assert (decision.action, decision.knob) == ("change", REPLICAS)
+    assert run.settings[REPLICAS] > 6
+
+
+def test_inside_the_cooldown_only_changes_that_add_capacity_are_made() -> None:
+    run = Run(settings(replicas=2, seqs=64), limits())
+    # Severe, with every slot busy and the cache nearly empty: the rule would raise
+    # maxNumSeqs, but inside the cooldown only replicas may be added.
+    severe = dataclasses.replace(QUEUED_WITH_FREE_KV, ttft_p95_s=20.0, requests_waiting=100.0,
+                                 requests_running=128.0, aborted_per_s=5.0)  # fmt: skip
+    first = run.until_change(severe)
+    run.step(window())  # the rollout, then a calm window that keeps it
+    run.step(window())
+    later = [run.step(severe) for _ in range(3)]
+    changes = [d for d in later if d.action == "change"]
+    assert changes and all(d.knob == REPLICAS and d.new > d.old for d in changes), (first, later)
+    assert all(d.action == "hold" for d in [run.step(IDLE) for _ in range(3)])  # no cut
 
 
 def test_kv_bound_raises_gpu_memory_utilization_by_one_step() -> None:
@@ -306,7 +357,7 @@ def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
 
 
 def test_scale_down_that_broke_the_slo_is_reverted() -> None:
-    run = Run(settings(replicas=3), limits())
+    run = measured(Run(settings(replicas=3), limits()), 10.0)
     assert run.until_change(IDLE).new == 2
     run.step(window())
     decision = run.step(window(ttft_p95_s=3.0))
@@ -351,7 +402,7 @@ def test_max_num_seqs_stays_within_max_num_batched_tokens() -> None:
 
 
 def test_value_outside_the_bounds_only_moves_back_inside() -> None:
-    run = Run(settings(replicas=12), limits())
+    run = measured(Run(settings(replicas=12), limits()), 10.0)
     decision = run.until_change(IDLE)
     assert decision.new == 8  # clamped into [1, 8], not 11
     flood = window(requests_waiting=2000.0, kv_cache_usage=0.8)

@@ -91,9 +91,6 @@ class PolicyConfig:
     scale_down_utilization: float = 0.6  # load per engine left after removing one
     busy_utilization: float = 0.92  # demand per engine, of its saturated rate: scale up early
     capacity_memory_cooldowns: float = 30.0  # how long a measured saturated rate is trusted
-    # Without a measured rate, batch slots are a poor proxy (an engine's compute saturates
-    # well before its slots do), so scaling down by them takes a much emptier batch.
-    scale_down_slots_utilization: float = 0.3
     prompt_shift_ratio: float = 2.0  # prompts this much longer or shorter void a measured rate
     scale_up_utilization: float = 0.85  # share of an engine's saturated rate to plan for
     max_scale_up_factor: float = 3.0
@@ -102,6 +99,8 @@ class PolicyConfig:
     severe_ttft_factor: float = 5.0  # TTFT p95 this far over target skips it too
     windows_down: int = 4
     windows_preempting: int = 3
+    # Preemptions this frequent (per engine) are a storm: one window is enough to act.
+    storm_preemptions_per_pod_s: float = 0.5
     worse_ratio: float = 1.5  # TTFT p95 this many times the baseline, above target: worse
     worse_throughput_ratio: float = 0.65  # tokens/s below this share of the baseline: worse
     worse_margin_s: float = 0.05

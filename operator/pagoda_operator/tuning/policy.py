@@ -107,11 +107,17 @@ def decide(
         if isinstance(outcome, Decision):
             return outcome, state
         verdict = outcome
+    urgent_only = False
     if mode == "Auto" and state["lastChangeTime"] is not None:
         remaining = limits.cooldown_s - (now - state["lastChangeTime"])
-        if remaining > 0:
+        urgent_only = remaining > 0
+        if urgent_only and not _escalate(snapshot, state, limits, config):
             return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
-    proposal, blocked = _first_proposal(snapshot, settings, limits, state, now, config)
+    proposal, blocked = _first_proposal(
+        snapshot, settings, limits, state, now, config, urgent_only
+    )
+    if proposal is None and urgent_only:
+        return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
     if proposal is None:
         reason = f"holding: {blocked}" if blocked else _steady_reason(snapshot, limits)
         return Decision("hold", reason, verdict=verdict), state
@@ -131,6 +137,30 @@ def decide(
 
 
 # ----- rules ----------------------------------------------------------------------------
+
+
+def _escalate(
+    snapshot: Snapshot, state: dict[str, Any], limits: Limits, config: PolicyConfig
+) -> bool:
+    """Whether this window may act before the cooldown ends: the last change has been
+    judged and kept, and the engines are still in a severe overload (clients giving up,
+    TTFT far over target) or a preemption storm. The cooldown is there to judge a change
+    and to keep the knobs steady under noise; neither is served by leaving users without
+    service for the rest of it. Only changes that add capacity are allowed then."""
+    if state["pending"] is not None:
+        return False
+    storm = snapshot.preemptions_per_s / max(snapshot.pods, 1) >= (
+        config.storm_preemptions_per_pod_s
+    )
+    return storm or (state["streaks"]["overload"] >= 1 and _severe(snapshot, limits, config))
+
+
+def _urgent(proposal: Proposal, settings: dict[str, float]) -> bool:
+    """A change that adds capacity: more replicas, or fewer sequences per engine under
+    preemptions (each preemption recomputes a whole context)."""
+    lower_seqs = proposal.knob == MAX_NUM_SEQS and proposal.new < settings[MAX_NUM_SEQS]
+    more_replicas = proposal.knob == REPLICAS and proposal.new > settings[REPLICAS]
+    return lower_seqs or more_replicas
 
 
 def _updated_capacity(
@@ -261,11 +291,14 @@ def _first_proposal(
     state: dict[str, Any],
     now: float,
     config: PolicyConfig,
+    urgent_only: bool = False,
 ) -> tuple[Proposal | None, str]:
-    """The first rule, in order of urgency, whose change is allowed; else None and why the
-    most urgent one was not."""
+    """The first rule, in order of urgency, whose change is allowed (only those that add
+    capacity when ``urgent_only``); else None and why the most urgent one was not."""
     blocked = ""
     for candidate in _candidates(snapshot, settings, limits, state, now, config):
+        if urgent_only and not _urgent(candidate, settings):
+            continue
         allowed = _allowed(candidate, settings, limits, state, now, config)
         if isinstance(allowed, Proposal):
             return allowed, ""
@@ -299,7 +332,21 @@ def _candidates(
     recent_oom = last_oom is not None and now - last_oom < config.oom_memory_cooldowns * (
         limits.cooldown_s
     )
-    if streaks["kvBound"] >= config.windows_up and not recent_oom:
+    storm = snapshot.preemptions_per_s / max(snapshot.pods, 1) >= (
+        config.storm_preemptions_per_pod_s
+    )
+    if streaks["preempting"] >= config.windows_preempting or (streaks["preempting"] and storm):
+        candidates.append(
+            Proposal(
+                MAX_NUM_SEQS,
+                _fitted_to_cache(snapshot, seqs, config),
+                f"{snapshot.preemptions_per_s:.3g} preemptions/s for "
+                f"{streaks['preempting']} windows: the batch outgrows the KV cache",
+            )
+        )
+    # A full cache with a queue asks for more memory; one with preemptions first for fewer
+    # sequences (above), which ends the recomputation where a few % more cache would not.
+    if streaks["kvBound"] >= config.windows_up and not recent_oom and not streaks["preempting"]:
         if snapshot.oom_kills is not None:
             candidates.append(
                 Proposal(
@@ -309,15 +356,6 @@ def _candidates(
                     f"for {streaks['kvBound']} windows; no OOM kills seen",
                 )
             )
-    if streaks["preempting"] >= config.windows_preempting:
-        candidates.append(
-            Proposal(
-                MAX_NUM_SEQS,
-                _halved(seqs, config),
-                f"{snapshot.preemptions_per_s:.3g} preemptions/s for "
-                f"{streaks['preempting']} windows",
-            )
-        )
     capacity = _usable_capacity(state["capacity"], snapshot, config)
     severe = _severe(snapshot, limits, config)
     if streaks["overload"] >= config.windows_up or (streaks["overload"] and severe):
@@ -328,36 +366,40 @@ def _candidates(
         scale_up = _scale_up(snapshot, replicas, why, capacity, config)
         candidates += [scale_up] if scale_up is not None else []
     if streaks["idle"] >= config.windows_down and snapshot.pods > 1:
-        scale_down = _scale_down(snapshot, seqs, replicas, capacity, config)
+        scale_down = _scale_down(snapshot, replicas, capacity, config)
         if scale_down is not None:
             candidates.append(scale_down)
     return candidates
 
 
+def _fitted_to_cache(snapshot: Snapshot, seqs: float, config: PolicyConfig) -> int:
+    """Under preemptions: as many sequences as the KV cache held at ``kv_headroom`` of it
+    (the running ones filled ``kv_cache_usage`` of it), at least halving. Recompute
+    preemptions redo whole contexts, so a batch that fits serves more than one that thrashes."""
+    running = snapshot.requests_running / max(snapshot.pods, 1)
+    usage = max(snapshot.kv_cache_usage, 1e-9)
+    fits = math.floor(running * config.kv_headroom / usage)
+    return max(1, min(_halved(seqs, config), fits))
+
+
 def _scale_down(
     snapshot: Snapshot,
-    seqs: float,
     replicas: float,
     capacity: float | None,
     config: PolicyConfig,
 ) -> Proposal | None:
-    """One replica less, when the others would still run well below saturation: measured
-    in requests/s against the saturated rate when one is known, else in batch slots."""
-    pods_after = snapshot.pods - 1
-    idle = f"idle for {snapshot.window_s:g}s windows"
-    if capacity is not None:
-        load_after = demand_per_s(snapshot) / pods_after / capacity
-        why = f"{idle}: {pods_after} engines would run at {load_after:.0%} of their saturated rate"
-    else:
-        concurrency = snapshot.requests_running + snapshot.requests_waiting
-        load_after = concurrency / pods_after / seqs
-        why = (
-            f"{idle}: {concurrency:.3g} requests in flight fit {pods_after} engines "
-            f"at {load_after:.0%} of maxNumSeqs"
-        )
-    limit = config.scale_down_utilization if capacity else config.scale_down_slots_utilization
-    if load_after > limit:
+    """One replica less, when the others would still run well below the saturated rate
+    measured for these requests. Without one there is no scale-down: batch slots say
+    nothing of an engine's compute (it saturates long before they fill), so removing a
+    replica by them is a probe that breaks the SLO when it is wrong."""
+    if capacity is None:
         return None
+    pods_after = snapshot.pods - 1
+    load_after = demand_per_s(snapshot) / pods_after / capacity
+    if load_after > config.scale_down_utilization:
+        return None
+    why = (f"idle for {snapshot.window_s:g}s windows: {pods_after} engines would run at "
+           f"{load_after:.0%} of their saturated rate")  # fmt: skip
     return Proposal(REPLICAS, replicas - 1, why)
 
 

@@ -24,7 +24,13 @@ from pagoda_operator.tuning.policy import (
     Snapshot,
     decide,
 )
-from pagoda_operator.tuning.sim.engine import CLIENT_TIMEOUT_S, STARTUP_S, Replica, Request
+from pagoda_operator.tuning.sim.engine import (
+    CLIENT_TIMEOUT_S,
+    EngineModel,
+    Replica,
+    Request,
+    engine_model,
+)
 from pagoda_operator.tuning.sim.traces import Trace
 
 TICK_S = 0.2
@@ -42,6 +48,7 @@ class Timeline:
     ttft_p95_s: list[float] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    ttft_target_s: float = 1.0
 
 
 @dataclass
@@ -92,12 +99,14 @@ class QueueAutoscaler:
 class Cluster:
     def __init__(
         self,
+        model: EngineModel,
         replicas: int,
         max_num_seqs: int,
         gpu_memory_utilization: float,
-        routing: str = "least-outstanding",
+        routing: str = "random",
         seed: int = 0,
     ):
+        self.model = model
         self.desired = {
             REPLICAS: replicas,
             MAX_NUM_SEQS: max_num_seqs,
@@ -105,7 +114,7 @@ class Cluster:
         }
         # Already running when the trace starts.
         self.replicas = [
-            Replica(max_num_seqs, gpu_memory_utilization, 0.0) for _ in range(replicas)
+            Replica(model, max_num_seqs, gpu_memory_utilization, 0.0) for _ in range(replicas)
         ]
         self.round_robin = itertools.count()
         self.routing = routing
@@ -155,10 +164,13 @@ class Cluster:
         active = self.active()
         missing = int(self.desired[REPLICAS]) - len(active)
         if missing > 0:
-            active += [Replica(*self.target, now + STARTUP_S) for _ in range(missing)]
+            active += [self._new_replica(now) for _ in range(missing)]
         elif old and not starting:
-            active.append(Replica(*self.target, now + STARTUP_S))
+            active.append(self._new_replica(now))
         self.replicas = active + [r for r in self.replicas if r.draining]
+
+    def _new_replica(self, now: float) -> Replica:
+        return Replica(self.model, *self.target, now + self.model.startup_s)
 
     def _drain(self, replica: Replica, now: float) -> None:
         replica.draining = True
@@ -186,7 +198,7 @@ class Cluster:
         self.oom_kills += 1
         self.restarts += 1
         evicted = replica.evict_all()
-        replica.ready_at, replica.busy_s = now + STARTUP_S, 0.0
+        replica.ready_at, replica.busy_s = now + self.model.startup_s, 0.0
         self.route(evicted, now)
 
     def snapshot(self, window_s: float, ttfts: list[float]) -> Snapshot | None:
@@ -228,30 +240,32 @@ def simulate(
     *,
     limits: Limits | None = None,
     interval_s: float = 30.0,
-    ttft_target_s: float = 1.0,
+    ttft_target_s: float | None = None,
     config: PolicyConfig | None = None,
     seed: int = 0,
     give_up_misses: int | None = None,
     autoscaler: QueueAutoscaler | None = None,
-    routing: str = "least-outstanding",
+    routing: str = "random",
 ) -> Result:
     """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, with
     ``autoscaler`` a queue-driven autoscaler moves replicas, with neither the configuration
     stays as ``start`` says. ``give_up_misses`` ends a run early once that many SLO windows
     are missed (a static sweep needs no more)."""
     rng = np.random.default_rng(seed)
+    ttft_target_s = trace.ttft_target_s if ttft_target_s is None else ttft_target_s
     cluster = Cluster(
+        engine_model(trace.model),
         int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION],
         routing=routing, seed=seed,
     )  # fmt: skip
-    timeline, state, rollouts = Timeline(), None, 0
+    timeline, state, rollouts = Timeline(ttft_target_s=ttft_target_s), None, 0
     window_ttfts: list[float] = []
     slo_met = slo_windows = 0
     steps_per_interval = round(interval_s / TICK_S)
     intervals_per_slo_window = round(SLO_WINDOW_S / interval_s)
     for step in range(round(trace.duration_s / TICK_S)):
         now = step * TICK_S
-        arrivals = [Request(t, p, o) for t, p, o in trace.arrivals(now, TICK_S, rng)]
+        arrivals = [Request(*arrival) for arrival in trace.arrivals(now, TICK_S, rng)]
         cluster.route(arrivals, now)
         cluster.rollout(now)
         cluster.tick(now, TICK_S)

@@ -1,61 +1,121 @@
-"""One engine replica as a fixed-timestep model, calibrated on our H200 bench numbers.
+"""One engine replica as a fixed-timestep model, calibrated on this engine's H200 numbers.
 
-Calibration (Qwen2.5-1.5B shape, bf16, one H200; inference/bench/results/
-latency_qwen2.5-1.5b_seqs256.json, prompts of 512 tokens and 128 output tokens):
+The numbers come from ``inference/bench/sim_calibration.py`` run on one H200 (random bf16
+weights in the exact Qwen2.5 shapes), checked in beside this file as
+``sim_calibration_h200.json``; this module fits the model to them and nothing else:
 
-- decode step time (TPOT) by batch size: 2.07 / 2.22 / 2.82 / 4.84 / 8.53 ms at
-  1 / 8 / 32 / 128 / 256 sequences, interpolated in between, plus the time to read the KV
-  cache of contexts longer than the bench's (28 layers x 2 x 2 KV heads x 128 x 2 bytes =
-  28,672 bytes a token at ~3.4 TB/s effective);
-- prefill: TTFT of 12.5 ms for one 512-token prompt and 391 ms for 256 of them, i.e.
-  10 ms + 1 token / 340,000 tok/s;
-- KV capacity: 4,558,816 tokens at gpu_memory_utilization 0.9 (141 GB card, 4.4 GB of
-  weights and activations), linear in the utilization;
-- start-up: 11 s engine start + model load + warm-up, 40 s in all.
+- KV capacity in tokens per ``gpu_memory_utilization``: linear through the measured rows;
+- decode step time = a + b x batch + c x KV tokens read, least squares over the measured
+  (batch, context) grid;
+- prefill of a chunk of n tokens after p tokens of context = a step overhead + n / rate
+  + n x (p + n / 2) x k (attention over the context), least squares over the measured
+  single prompts, full steps of prompts, and recomputations of 4k and 16k contexts;
+- a preemption is a recomputation: the sequence goes back to the head of the queue with its
+  whole context as its prompt, and pays its prefill again (no prefix-cache hit: under the
+  pressure that preempted it, its blocks are reused at once);
+- start-up: the measured engine start (dummy weights) plus the weights read at 2 GB/s and
+  20 s for the pod and container.
 
-Above a utilization of 0.945 the model's activation peaks no longer fit: a replica there is
-OOM-killed within its first minutes under load, as a real one would be.
+Not measured, so assumed: above a utilization of 0.95 (the highest the bench profiles) the
+activation peaks and CUDA graphs outside the profile no longer fit, and a replica there is
+OOM-killed within its first minutes under load. The traces' bounds stay at or below 0.95.
 """
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 
-BENCH_BATCH = np.array([1, 8, 32, 128, 256], dtype=float)
-BENCH_TPOT_S = np.array([2.065, 2.217, 2.824, 4.844, 8.526]) / 1000
-BENCH_CONTEXT = 512 + 64  # the average context during the bench's decode
-KV_READ_S_PER_TOKEN = 28_672 / 3.4e12
-PREFILL_OVERHEAD_S = 0.010
-PREFILL_TOKENS_PER_S = 340_000.0
-KV_TOKENS_AT_090 = 4_558_816
-GPU_BYTES = 150.1e9
-KV_BYTES_PER_TOKEN = 28_672
-STARTUP_S = 40.0
-OOM_UTILIZATION = 0.945
+CALIBRATION = Path(__file__).with_name("sim_calibration_h200.json")
+OOM_UTILIZATION = 0.955
 OOM_AFTER_BUSY_S = 90.0
-MAX_PREFILL_TOKENS_PER_STEP = 8192  # the engine's default token budget
 CLIENT_TIMEOUT_S = 30.0  # clients (and gateways) give up on a request not started by then
+POD_START_S = 20.0  # scheduling, image and container start before the engine starts
+WEIGHT_READ_BYTES_S = 2e9
+PARAMS = {"qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.62e9}  # weights read at start-up, bf16
 
 
-def kv_capacity_tokens(gpu_memory_utilization: float) -> int:
-    reserved = 0.9 * GPU_BYTES - KV_TOKENS_AT_090 * KV_BYTES_PER_TOKEN
-    return int((gpu_memory_utilization * GPU_BYTES - reserved) / KV_BYTES_PER_TOKEN)
+@dataclass(frozen=True)
+class EngineModel:
+    """One model shape on one card, fitted to the calibration file."""
+
+    name: str
+    kv_bytes_per_token: int
+    kv_rows: tuple[tuple[float, int], ...]  # (gpu_memory_utilization, KV tokens)
+    decode: tuple[float, float, float]  # seconds: fixed, per sequence, per KV token read
+    prefill: tuple[float, float, float]  # seconds: per step, per token, per token x context
+    max_num_batched_tokens: int
+    startup_s: float
+    provisional: bool
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float) -> int:
+        us, tokens = zip(*self.kv_rows)
+        slope = (tokens[-1] - tokens[0]) / (us[-1] - us[0])
+        return int(tokens[0] + slope * (gpu_memory_utilization - us[0]))
+
+    def decode_step_s(self, batch: int, kv_tokens: float) -> float:
+        fixed, per_seq, per_kv = self.decode
+        return fixed + per_seq * batch + per_kv * kv_tokens
+
+    def prefill_s(self, tokens: float, context: float = 0.0) -> float:
+        """Prefill of ``tokens`` new tokens of one sequence after ``context`` cached ones,
+        in chunks of the step's token budget (each chunk a step's overhead)."""
+        if tokens <= 0:
+            return 0.0
+        step, per_token, per_pair = self.prefill
+        return self.prefill_work_s(tokens, context) + step * -(-tokens // self.max_num_batched_tokens)
+
+    def prefill_work_s(self, tokens: float, context: float = 0.0) -> float:
+        """The same without the per-step overhead (a chunk sharing a step with others)."""
+        _, per_token, per_pair = self.prefill
+        return tokens * per_token + tokens * (context + tokens / 2) * per_pair
 
 
-def decode_step_s(batch: int, kv_tokens: float) -> float:
-    base = float(np.interp(batch, BENCH_BATCH, BENCH_TPOT_S))
-    if batch > BENCH_BATCH[-1]:  # beyond the bench: the last slope, no better
-        slope = (BENCH_TPOT_S[-1] - BENCH_TPOT_S[-2]) / (BENCH_BATCH[-1] - BENCH_BATCH[-2])
-        base = BENCH_TPOT_S[-1] + slope * (batch - BENCH_BATCH[-1])
-    extra_kv = kv_tokens - batch * BENCH_CONTEXT
-    return max(base * 0.5, base + KV_READ_S_PER_TOKEN * extra_kv)
+def fit(name: str, measured: dict, provisional: bool = False) -> EngineModel:
+    kv_rows = tuple(sorted((row["gpu_memory_utilization"], row["tokens"])
+                           for row in measured["kv_capacity"]))  # fmt: skip
+    decode_rows = measured["decode"]
+    a = np.array([[1.0, row["batch"], row["batch"] * row["context"]] for row in decode_rows])
+    t = np.array([row["step_ms"] / 1e3 for row in decode_rows])
+    decode = _nonnegative_fit(a, t)
+    budget = measured["max_num_batched_tokens"]
+    equations, seconds = [], []
+    for row in measured["prefill"]:
+        n, length = row["prompts"], row["chunk"]
+        equations.append([-(-n * length // budget), n * length, n * length * length / 2])
+        seconds.append(row["seconds"])
+    for row in measured["recompute"]:
+        length = row["context"]
+        equations.append([-(-length // budget), length, length * length / 2])
+        seconds.append(row["seconds"])
+    prefill = _nonnegative_fit(np.array(equations, dtype=float), np.array(seconds))
+    weights_s = PARAMS.get(name, 0.0) * 2 / WEIGHT_READ_BYTES_S
+    return EngineModel(
+        name, measured["kv_bytes_per_token"], kv_rows, decode, prefill, budget,
+        POD_START_S + measured["startup_s"] + weights_s, provisional,
+    )  # fmt: skip
 
 
-def prefill_s(tokens: float) -> float:
-    return 0.0 if tokens <= 0 else PREFILL_OVERHEAD_S + tokens / PREFILL_TOKENS_PER_S
+def _nonnegative_fit(a: np.ndarray, t: np.ndarray) -> tuple[float, float, float]:
+    """Least squares on relative error (each row divided by its time), coefficients >= 0."""
+    scaled = a / t[:, None]
+    coef, *_ = np.linalg.lstsq(scaled, np.ones(len(t)), rcond=None)
+    while (coef < 0).any():  # drop a negative term and refit the rest
+        keep = coef > 0
+        coef = np.zeros_like(coef)
+        coef[keep] = np.linalg.lstsq(scaled[:, keep], np.ones(len(t)), rcond=None)[0]
+    return tuple(float(c) for c in coef)  # type: ignore[return-value]
+
+
+@cache
+def engine_model(name: str) -> EngineModel:
+    data = json.loads(CALIBRATION.read_text())
+    return fit(name, data["models"][name], bool(data.get("provisional")))
 
 
 @dataclass
@@ -63,6 +123,8 @@ class Request:
     arrival: float
     prompt: int
     output: int
+    prefix: int = -1  # the shared prompt prefix it starts with (a tenant's), -1 for none
+    prefix_len: int = 0
     started: bool = False  # has its first token (a preempted request keeps it)
 
 
@@ -87,10 +149,17 @@ class WindowStats:
 
 
 class Replica:
-    def __init__(self, max_num_seqs: int, gpu_memory_utilization: float, ready_at: float):
+    """One engine: FCFS admission while ``max_num_seqs`` and the KV cache allow, chunked
+    prefill sharing steps with decode, recompute preemption of the newest sequence when the
+    cache runs out, and a prefix cache: a shared prefix in use (or cached and not yet
+    evicted) is neither prefilled nor stored again."""
+
+    def __init__(self, model: EngineModel, max_num_seqs: int, gpu_memory_utilization: float,
+                 ready_at: float):  # fmt: skip
+        self.model = model
         self.max_num_seqs = int(max_num_seqs)
         self.gpu_memory_utilization = gpu_memory_utilization
-        self.capacity = kv_capacity_tokens(gpu_memory_utilization)
+        self.capacity = model.kv_capacity_tokens(gpu_memory_utilization)
         self.ready_at = ready_at
         self.draining = False
         self.busy_s = 0.0
@@ -98,7 +167,10 @@ class Replica:
         self.running: list[Request] = []
         self.remaining = np.zeros(0)
         self.context = np.zeros(0)
-        self.backlog_s = 0.0  # prefill work carried into the next tick
+        self.shared = np.zeros(0)  # tokens of each sequence's context held by a shared prefix
+        self.prefix_users: dict[int, int] = {}  # prefix -> running sequences using it
+        self.cached: dict[int, int] = {}  # prefix -> length, held in the cache
+        self.backlog_s = 0.0  # work carried into the next tick
         self.stats = WindowStats()
 
     def ready(self, now: float) -> bool:
@@ -108,15 +180,22 @@ class Replica:
     def settings(self) -> tuple[int, float]:
         return self.max_num_seqs, self.gpu_memory_utilization
 
+    def kv_used(self) -> float:
+        """Tokens in the KV cache that running sequences hold (shared prefixes once)."""
+        in_use = sum(self.cached[p] for p, n in self.prefix_users.items() if n > 0)
+        return float((self.context - self.shared).sum()) + in_use
+
     def step(self, now: float, dt: float) -> None:
-        """Admits, prefills and decodes for one tick of ``dt`` seconds."""
+        """Admits, prefills and decodes for one tick of ``dt`` seconds: each step holding a
+        prompt chunk decodes the running batch too, the rest of the tick is decode steps."""
         self._abandon(now)
-        prefill_tokens = self._admit(now)
-        work_s = self.backlog_s + prefill_s(prefill_tokens)
-        decode_time = max(0.0, dt - work_s)
+        step_s = self.model.decode_step_s(len(self.running), float(self.context.sum()))
+        chunks, prefill_work = self._admit(now, step_s)
+        work_s = self.backlog_s + prefill_work + chunks * step_s
         self.backlog_s = max(0.0, work_s - dt)
         if len(self.running):
-            self._decode(decode_time)
+            step_s = self.model.decode_step_s(len(self.running), float(self.context.sum()))
+            self._decode(chunks + max(0.0, dt - work_s) / step_s, step_s)
             self._preempt_if_full()
             self.busy_s += dt
         self._account(dt)
@@ -127,63 +206,94 @@ class Replica:
         self.stats.aborted += len(self.waiting) - len(kept)
         self.waiting = kept
 
-    def _admit(self, now: float) -> int:
-        tokens = 0
-        budget_s = 0.0
-        used = float(self.context.sum())
-        added_remaining, added_context = [], []
+    def _admit(self, now: float, step_s: float) -> tuple[int, float]:
+        """Admits from the head of the queue; the number of prefill steps and their work."""
+        budget = self.model.max_num_batched_tokens
+        new_tokens, work_s = 0, 0.0
+        used = self.kv_used()
+        added: list[tuple[int, int, int]] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if used + request.prompt > self.capacity:
-                break
+            hit = request.prefix >= 0 and request.prefix in self.cached
+            shared = request.prefix_len if request.prefix >= 0 else 0
+            reused = shared if hit else 0
+            held = self.prefix_users.get(request.prefix, 0) > 0
+            needed = request.prompt - shared + (0 if held else shared)
+            if used + needed > self.capacity:
+                self._evict_unused_prefixes()
+                used = self.kv_used()
+                if used + needed > self.capacity:
+                    break
             self.waiting.popleft()
-            tokens += request.prompt
-            budget_s += request.prompt / PREFILL_TOKENS_PER_S
-            used += request.prompt
+            tokens = request.prompt - reused
+            work_s += self.model.prefill_work_s(tokens, reused)
+            new_tokens += tokens
+            used += needed
+            if request.prefix >= 0:
+                self.cached[request.prefix] = shared
+                self.prefix_users[request.prefix] = self.prefix_users.get(request.prefix, 0) + 1
             if not request.started:
-                chunks = 1 + request.prompt // MAX_PREFILL_TOKENS_PER_STEP
-                ttft = max(0.0, now - request.arrival) + self.backlog_s + budget_s
-                self.stats.ttfts.append(ttft + chunks * PREFILL_OVERHEAD_S)
+                steps = -(-new_tokens // budget)
+                ttft = max(0.0, now - request.arrival) + self.backlog_s + work_s + steps * step_s
+                self.stats.ttfts.append(ttft)
                 self.stats.prompt_tokens += request.prompt
                 request.started = True
             self.running.append(request)
-            added_remaining.append(request.output)
-            added_context.append(request.prompt)
-        if added_remaining:
-            self.remaining = np.concatenate([self.remaining, added_remaining])
-            self.context = np.concatenate([self.context, added_context])
-        return tokens
+            added.append((request.output, request.prompt, shared))
+        if added:
+            remaining, context, shared_tokens = zip(*added)
+            self.remaining = np.concatenate([self.remaining, remaining])
+            self.context = np.concatenate([self.context, context])
+            self.shared = np.concatenate([self.shared, shared_tokens])
+        return -(-new_tokens // budget), work_s
 
-    def _decode(self, seconds: float) -> None:
-        step = decode_step_s(len(self.running), float(self.context.sum()))
-        steps = seconds / step
+    def _evict_unused_prefixes(self) -> None:
+        for prefix in [p for p in self.cached if self.prefix_users.get(p, 0) == 0]:
+            del self.cached[prefix]
+
+    def _decode(self, steps: float, step_s: float) -> None:
         progress = np.minimum(self.remaining, steps)
         self.remaining -= progress
         self.context += progress
         self.stats.generated += float(progress.sum())
-        self.stats.itl_s += step * len(self.running)
+        self.stats.itl_s += step_s * len(self.running)
         self.stats.itl_weight += len(self.running)
         done = self.remaining <= 1e-9
         if done.any():
             self.stats.finished += int(done.sum())
+            for request in (r for r, d in zip(self.running, done) if d):
+                self._release_prefix(request)
             keep = ~done
             self.running = [r for r, k in zip(self.running, keep) if k]
-            self.remaining, self.context = self.remaining[keep], self.context[keep]
+            self._keep(keep)
+
+    def _keep(self, keep: np.ndarray) -> None:
+        self.remaining, self.context = self.remaining[keep], self.context[keep]
+        self.shared = self.shared[keep]
+
+    def _release_prefix(self, request: Request) -> None:
+        if request.prefix >= 0:
+            self.prefix_users[request.prefix] -= 1
 
     def _preempt_if_full(self) -> None:
-        """Recompute-style preemption of the newest sequences, as the engine does."""
-        while len(self.running) > 1 and self.context.sum() > self.capacity:
+        """Recompute-style preemption of the newest sequences, as the engine does: the
+        newest goes back to the head of the queue with its whole context to prefill again."""
+        while len(self.running) > 1 and self.kv_used() > self.capacity:
+            self._evict_unused_prefixes()
+            if self.kv_used() <= self.capacity:
+                break
             request = self.running.pop()
             request.prompt = int(self.context[-1])
             request.output = max(1, int(np.ceil(self.remaining[-1])))
-            self.remaining, self.context = self.remaining[:-1], self.context[:-1]
+            self._release_prefix(request)
+            self._keep(np.arange(len(self.running) + 1) < len(self.running))
             self.waiting.appendleft(request)
             self.stats.preemptions += 1
 
     def _account(self, dt: float) -> None:
         stats = self.stats
         stats.seconds += dt
-        stats.kv_usage_s += dt * float(self.context.sum()) / self.capacity
+        stats.kv_usage_s += dt * min(1.0, self.kv_used() / self.capacity)
         stats.waiting_s += dt * len(self.waiting)
         stats.running_s += dt * len(self.running)
 
@@ -202,5 +312,6 @@ class Replica:
         for request, remaining, context in zip(self.running, self.remaining, self.context):
             request.prompt, request.output = int(context), max(1, int(np.ceil(remaining)))
         self.running, self.waiting = [], deque()
-        self.remaining, self.context = np.zeros(0), np.zeros(0)
+        self.remaining, self.context, self.shared = np.zeros(0), np.zeros(0), np.zeros(0)
+        self.prefix_users, self.cached = {}, {}
         return requests

@@ -1,4 +1,10 @@
-"""Workload traces: an arrival rate over time and the request sizes at each moment."""
+"""Workload traces: an arrival rate over time, the request sizes at each moment, and the
+shared prompt prefixes (tenants' system prompts) requests start with.
+
+Every trace serves the Qwen2.5-7B shape: on an H200 its KV cache holds ~2M tokens (a
+1.5B's holds 4.6M), so long prompts and long conversations fill it and the engine knobs
+(``maxNumSeqs``, ``gpuMemoryUtilization``) decide how much one GPU serves.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+Sizes = tuple[tuple[int, int], tuple[int, int]]  # (prompt range, output range) in tokens
+
 # Chat-like requests: prompts of 512-1536 tokens, answers of 128-640.
-CHAT = ((512, 1536), (128, 640))
-# Retrieval-heavy requests after the shift: prompts of 8k-24k tokens, short answers.
-LONG_CONTEXT = ((8_192, 24_576), (128, 384))
+CHAT: Sizes = ((512, 1536), (128, 640))
+# Retrieval-heavy requests: prompts of 8k-24k tokens, short answers.
+LONG_CONTEXT: Sizes = ((8_192, 24_576), (128, 384))
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """``count`` tenants, each with its own system prompt of ``prefix_len`` tokens that
+    every one of its requests starts with (the rest of the prompt is the request's own)."""
+
+    count: int
+    prefix_len: int
 
 
 @dataclass(frozen=True)
@@ -19,13 +36,17 @@ class Trace:
     name: str
     duration_s: float
     rate: Callable[[float], float]  # requests per second at time t
-    sizes: Callable[[float], tuple[tuple[int, int], tuple[int, int]]]  # (prompt, output) ranges
+    sizes: Callable[[float], Sizes]
     description: str
+    model: str = "qwen2.5-7b"
+    ttft_target_s: float = 1.0
+    tenants: Tenants | None = None
 
     def arrivals(
         self, start: float, dt: float, rng: np.random.Generator
-    ) -> list[tuple[float, int, int]]:
-        """Poisson arrivals in [start, start + dt) as (time, prompt tokens, output tokens)."""
+    ) -> list[tuple[float, int, int, int, int]]:
+        """Poisson arrivals in [start, start + dt) as (time, prompt tokens, output tokens,
+        prefix, prefix tokens); the prompt includes the prefix."""
         count = rng.poisson(self.rate(start) * dt)
         if count == 0:
             return []
@@ -33,51 +54,76 @@ class Trace:
         times = np.sort(start + rng.random(count) * dt)
         prompts = rng.integers(prompt_low, prompt_high + 1, count)
         outputs = rng.integers(output_low, output_high + 1, count)
-        return list(zip(times.tolist(), prompts.tolist(), outputs.tolist()))
+        if self.tenants is None:
+            prefixes, prefix_len = np.full(count, -1), 0
+        else:
+            prefixes, prefix_len = rng.integers(0, self.tenants.count, count), self.tenants.prefix_len
+        return [(t, int(p) + prefix_len, int(o), int(f), prefix_len if f >= 0 else 0)
+                for t, p, o, f in zip(times.tolist(), prompts, outputs, prefixes)]
 
 
-def _chat(_: float) -> tuple[tuple[int, int], tuple[int, int]]:
+def _chat(_: float) -> Sizes:
     return CHAT
-
-
-def steady() -> Trace:
-    return Trace("steady", 3600, lambda t: 120.0, _chat, "120 req/s of chat for an hour")
 
 
 def diurnal() -> Trace:
     def rate(t: float) -> float:
-        # A day squeezed into two hours: a night trough of 20 req/s, a peak of 220 at noon.
-        return 120.0 - 100.0 * math.cos(2 * math.pi * t / 7200)
+        # A day squeezed into two hours: a night trough of 4 req/s, a peak of 56 at noon.
+        return 30.0 - 26.0 * math.cos(2 * math.pi * t / 7200)
 
-    return Trace("diurnal", 7200, rate, _chat, "20 -> 220 -> 20 req/s of chat over 2 h")
+    return Trace("diurnal", 7200, rate, _chat, "4 -> 56 -> 4 req/s of chat over 2 h")
 
 
 def burst() -> Trace:
     def rate(t: float) -> float:
-        return 240.0 if 1200 <= t < 1800 else 80.0
+        return 60.0 if 1200 <= t < 1800 else 20.0
 
-    return Trace("burst", 3600, rate, _chat, "80 req/s with a 10-minute burst of 240 req/s")
+    return Trace("burst", 3600, rate, _chat, "20 req/s of chat with a 10-minute burst of 60 req/s")
 
 
 def long_context_shift() -> Trace:
-    def sizes(t: float) -> tuple[tuple[int, int], tuple[int, int]]:
+    def sizes(t: float) -> Sizes:
         return CHAT if t < 1200 else LONG_CONTEXT
 
     def rate(t: float) -> float:
-        return 100.0 if t < 1200 else 14.0
+        return 24.0 if t < 1200 else 3.0
 
     return Trace(
-        "long-context",
-        3600,
-        rate,
-        sizes,
-        "100 req/s of chat, then after 20 min 14 req/s of 8k-24k-token prompts",
-    )
+        "long-context", 3600, rate, sizes,
+        "24 req/s of chat, then after 20 min 3 req/s of 8k-24k-token prompts",
+        ttft_target_s=3.0,
+    )  # fmt: skip
+
+
+def kv_growth() -> Trace:
+    """Conversations that grow: the same request rate, prompts from ~2k to ~12k tokens over
+    the hour, so the KV each sequence holds grows until the batch no longer fits the cache."""
+
+    def sizes(t: float) -> Sizes:
+        grown = min(1.0, t / 2400)
+        low, high = int(1_024 + 6_144 * grown), int(3_072 + 12_288 * grown)
+        return (low, high), (256, 768)
+
+    return Trace(
+        "kv-growth", 3600, lambda t: 4.0, sizes,
+        "4 req/s of conversations whose prompts grow from 1-3k to 7-15k tokens over 40 min",
+        ttft_target_s=3.0,
+    )  # fmt: skip
+
+
+def tenants() -> Trace:
+    return Trace(
+        "tenants", 3600, lambda t: 40.0, lambda t: ((64, 512), (64, 256)),
+        "40 req/s from 16 tenants, each request a 3k-token tenant system prompt and "
+        "64-512 tokens of its own",
+        tenants=Tenants(16, 3_072),
+    )  # fmt: skip
 
 
 TRACES: dict[str, Callable[[], Trace]] = {
-    "steady": steady,
-    "diurnal": diurnal,
-    "burst": burst,
+    "kv-growth": kv_growth,
     "long-context": long_context_shift,
+    "burst": burst,
+    "diurnal": diurnal,
+    "tenants": tenants,
 }
