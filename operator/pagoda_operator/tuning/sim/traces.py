@@ -41,6 +41,8 @@ class Trace:
     model: str = "qwen2.5-7b"
     ttft_target_s: float = 1.0
     tenants: Tenants | None = None
+    # (share, sizes): each request independently takes these sizes with that probability.
+    mix: Callable[[float], tuple[float, Sizes]] | None = None
 
     def arrivals(
         self, start: float, dt: float, rng: np.random.Generator
@@ -50,16 +52,26 @@ class Trace:
         count = rng.poisson(self.rate(start) * dt)
         if count == 0:
             return []
-        (prompt_low, prompt_high), (output_low, output_high) = self.sizes(start)
         times = np.sort(start + rng.random(count) * dt)
-        prompts = rng.integers(prompt_low, prompt_high + 1, count)
-        outputs = rng.integers(output_low, output_high + 1, count)
+        prompts, outputs = _draw(self.sizes(start), count, rng)
+        if self.mix is not None:
+            share, sizes = self.mix(start)
+            other = rng.random(count) < share
+            mixed_prompts, mixed_outputs = _draw(sizes, count, rng)
+            prompts = np.where(other, mixed_prompts, prompts)
+            outputs = np.where(other, mixed_outputs, outputs)
         if self.tenants is None:
             prefixes, prefix_len = np.full(count, -1), 0
         else:
             prefixes, prefix_len = rng.integers(0, self.tenants.count, count), self.tenants.prefix_len
         return [(t, int(p) + prefix_len, int(o), int(f), prefix_len if f >= 0 else 0)
                 for t, p, o, f in zip(times.tolist(), prompts, outputs, prefixes)]
+
+
+def _draw(sizes: Sizes, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    (prompt_low, prompt_high), (output_low, output_high) = sizes
+    return (rng.integers(prompt_low, prompt_high + 1, count),
+            rng.integers(output_low, output_high + 1, count))  # fmt: skip
 
 
 def _chat(_: float) -> Sizes:
