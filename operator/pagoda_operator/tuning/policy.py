@@ -373,13 +373,14 @@ def _candidates(
 
 
 def _fitted_to_cache(snapshot: Snapshot, seqs: float, config: PolicyConfig) -> int:
-    """Under preemptions: as many sequences as the KV cache held at ``kv_headroom`` of it
-    (the running ones filled ``kv_cache_usage`` of it), at least halving. Recompute
-    preemptions redo whole contexts, so a batch that fits serves more than one that thrashes."""
+    """Under preemptions: as many sequences as would fill ``kv_headroom`` of the KV cache
+    (the running ones filled ``kv_cache_usage`` of it; the rest is room for them to grow),
+    and at least one fewer. A recompute preemption redoes a whole context, so a batch that
+    fits serves more than one that thrashes."""
     running = snapshot.requests_running / max(snapshot.pods, 1)
     usage = max(snapshot.kv_cache_usage, 1e-9)
     fits = math.floor(running * config.kv_headroom / usage)
-    return max(1, min(_halved(seqs, config), fits))
+    return max(1, min(int(seqs) - 1, fits))
 
 
 def _scale_down(

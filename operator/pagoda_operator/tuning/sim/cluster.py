@@ -35,6 +35,8 @@ from pagoda_operator.tuning.sim.traces import Trace
 
 TICK_S = 0.2
 SLO_WINDOW_S = 60.0
+PRE_STOP_S = 10.0  # spec.termination defaults: preStopSeconds, drainSeconds
+DRAIN_S = 120.0
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Result:
     timeline: Timeline
     preemptions: int = 0
     rollouts: int = 0  # changes of the Deployment (each one a rolling update or a scale)
+    dropped: int = 0  # requests cut off mid-answer when a drain ran out
 
     @property
     def attainment(self) -> float:
@@ -123,6 +126,7 @@ class Cluster:
         self.preemptions = 0
         self.restarts = 0
         self.oom_kills = 0
+        self.dropped = 0  # requests cut off mid-answer by the end of a drain
 
     @property
     def target(self) -> tuple[int, float]:
@@ -151,31 +155,31 @@ class Cluster:
             loads[index] += 1
 
     def rollout(self, now: float) -> None:
-        """The Deployment controller: scale to ``desired`` replicas and replace replicas with
-        other settings one at a time (maxSurge 1, maxUnavailable 0)."""
+        """The Deployment controller with the product's rollout (maxSurge 0, maxUnavailable
+        1): scale to ``desired`` replicas, and replace replicas with other settings one at a
+        time, the old one stopped as its successor starts."""
+        active = self.active()
+        desired = int(self.desired[REPLICAS])
+        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
+        for replica in by_preference[: max(0, len(active) - desired)]:
+            self._drain(replica, now)
         active = self.active()
         old = [r for r in active if r.settings != self.target]
         starting = [r for r in active if not r.ready(now)]
-        surge = 1 if old and starting else 0
-        excess = len(active) - int(self.desired[REPLICAS]) - surge
-        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
-        for replica in by_preference[: max(0, excess)]:
-            self._drain(replica, now)
-        active = self.active()
-        missing = int(self.desired[REPLICAS]) - len(active)
-        if missing > 0:
-            active += [self._new_replica(now) for _ in range(missing)]
-        elif old and not starting:
-            active.append(self._new_replica(now))
+        active += [self._new_replica(now) for _ in range(desired - len(active))]
+        if old and not starting:
+            self._drain(old[0], now)
+            active = [r for r in active if r is not old[0]] + [self._new_replica(now)]
         self.replicas = active + [r for r in self.replicas if r.draining]
 
     def _new_replica(self, now: float) -> Replica:
         return Replica(self.model, *self.target, now + self.model.startup_s)
 
     def _drain(self, replica: Replica, now: float) -> None:
+        """A deleted pod leaves the Service at once and serves what it holds for the
+        preStop sleep and the drain (spec.termination's defaults); the rest is aborted."""
         replica.draining = True
-        waiting, replica.waiting = list(replica.waiting), type(replica.waiting)()
-        self.route(waiting, now)
+        replica.drain_deadline = now + PRE_STOP_S + DRAIN_S
 
     def rollout_complete(self, now: float) -> bool:
         active = self.active()
@@ -192,7 +196,13 @@ class Cluster:
                 replica.step(now, dt)
                 if replica.oom_due():
                     self._oom_kill(replica, now)
-        self.replicas = [r for r in self.replicas if not (r.draining and not r.running)]
+        for replica in [r for r in self.replicas if r.draining]:
+            if not replica.running and not replica.waiting:
+                self.replicas.remove(replica)
+            elif now >= replica.drain_deadline:
+                held = replica.evict_all()
+                replica.stats.aborted += sum(not r.started for r in held)
+                self.dropped += sum(r.started for r in held)
 
     def _oom_kill(self, replica: Replica, now: float) -> None:
         self.oom_kills += 1
@@ -302,7 +312,8 @@ def simulate(
             if give_up_misses is not None and slo_windows - slo_met >= give_up_misses:
                 break
     return Result(
-        cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline, cluster.preemptions, rollouts
+        cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline, cluster.preemptions, rollouts,
+        cluster.dropped,
     )
 
 

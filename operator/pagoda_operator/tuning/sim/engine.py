@@ -162,6 +162,7 @@ class Replica:
         self.capacity = model.kv_capacity_tokens(gpu_memory_utilization)
         self.ready_at = ready_at
         self.draining = False
+        self.drain_deadline = float("inf")
         self.busy_s = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

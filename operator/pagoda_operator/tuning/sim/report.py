@@ -2,7 +2,8 @@
 
     cd operator && python -m pagoda_operator.tuning.sim.report --out tuning-results
 
-Side by side, each from the same start (2 replicas, ``maxNumSeqs`` 256, 0.9) with the same
+Side by side, each from the same start (2 replicas and the engine's defaults:
+``maxNumSeqs`` 1024, ``gpuMemoryUtilization`` 0.9) with the same
 replica bounds, a look every 60 s, a 600 s cooldown and a Service's random spread:
 
 - **tuned**: the operator's ``decide`` (Auto), all three knobs;
@@ -38,9 +39,10 @@ from pagoda_operator.tuning.sim.traces import TRACES, Trace
 
 SLO_ATTAINMENT = 0.95
 MAX_REPLICAS = 12
-STATIC_MAX_NUM_SEQS = (32, 64, 128, 256)
+STATIC_MAX_NUM_SEQS = (64, 128, 256, 1024)
 STATIC_GPU_MEMORY = (0.9, 0.95)
-START = {REPLICAS: 2, MAX_NUM_SEQS: 256, GPU_MEMORY_UTILIZATION: 0.9}
+# The product's engine defaults on a GPU (maxNumSeqs left out resolves to 1024) on 2 replicas.
+START = {REPLICAS: 2, MAX_NUM_SEQS: 1024, GPU_MEMORY_UTILIZATION: 0.9}
 # The product's defaults (operator/README.md): one look a minute, a 10-minute cooldown, the
 # Service's random spread, and the autoscaler's target of 4 waiting requests per replica.
 INTERVAL_S = 60.0
@@ -50,7 +52,7 @@ AUTOSCALER_PERIOD_S = 15.0  # the HPA controller's sync period
 AUTOSCALER_TARGET_WAITING = 4.0
 BOUNDS = {
     REPLICAS: (1, MAX_REPLICAS),
-    MAX_NUM_SEQS: (16, 512),
+    MAX_NUM_SEQS: (16, 1024),
     GPU_MEMORY_UTILIZATION: (0.85, 0.95),  # the range the calibration bench measured
 }
 APPROACHES = ("tuned", "knobs-off", "queue-autoscaler")
@@ -125,6 +127,7 @@ def summarize(result: Result) -> dict[str, Any]:
         "gpu_hours": result.gpu_hours,
         "preemptions": result.preemptions,
         "rollouts": result.rollouts,
+        "dropped": result.dropped,
         "max_num_seqs_range": [min(line.max_num_seqs), max(line.max_num_seqs)],
         "gpu_memory_utilization_range": [min(line.gpu_memory_utilization),
                                          max(line.gpu_memory_utilization)],  # fmt: skip

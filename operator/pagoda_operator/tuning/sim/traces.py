@@ -108,17 +108,19 @@ def long_context_shift() -> Trace:
 
 
 def kv_growth() -> Trace:
-    """Conversations that grow: the same request rate, prompts from ~2k to ~12k tokens over
-    the hour, so the KV each sequence holds grows until the batch no longer fits the cache."""
+    """Answers that grow (reasoning turned on, agents taking more steps): the same request
+    rate and prompts, outputs from 256-1024 tokens to 2k-6k over 40 minutes. Sequences live
+    longer and hold more KV each, until the batch that ``maxNumSeqs`` allows no longer fits
+    the cache."""
 
     def sizes(t: float) -> Sizes:
         grown = min(1.0, t / 2400)
-        low, high = int(1_024 + 6_144 * grown), int(3_072 + 12_288 * grown)
-        return (low, high), (256, 768)
+        return (4_096, 8_192), (int(256 + 1_792 * grown), int(1_024 + 5_120 * grown))
 
     return Trace(
-        "kv-growth", 3600, lambda t: 4.0, sizes,
-        "4 req/s of conversations whose prompts grow from 1-3k to 7-15k tokens over 40 min",
+        "kv-growth", 3600, lambda t: 2.0, sizes,
+        "2 req/s of 4k-8k-token prompts whose answers grow from 256-1k to 2k-6k tokens "
+        "over 40 min",
         ttft_target_s=3.0,
     )  # fmt: skip
 
