@@ -194,10 +194,11 @@ def test_sustained_preemptions_fit_max_num_seqs_to_the_cache() -> None:
     assert "preemptions/s" in decision.reason and "outgrows the KV cache" in decision.reason
 
 
-def test_preemptions_lower_max_num_seqs_at_least_by_half() -> None:
-    nearly_fits = dataclasses.replace(PREEMPTING, requests_running=240.0)
+def test_preemptions_lower_max_num_seqs_only_to_what_the_cache_holds() -> None:
+    # 130 sequences an engine filled 97 % of the cache: 100 fill 75 % of it, no fewer.
+    nearly_fits = dataclasses.replace(PREEMPTING, requests_running=260.0, preemptions_per_s=0.4)
     decision = Run(settings(seqs=128), limits()).until_change(nearly_fits)
-    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 64)
+    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 100)
 
 
 def test_a_preemption_storm_acts_in_its_first_window() -> None:
@@ -209,6 +210,36 @@ def test_a_preemption_storm_acts_in_its_first_window() -> None:
 def test_preemptions_lower_max_num_seqs_before_raising_gpu_memory() -> None:
     decision = Run(settings(seqs=128, memory=0.9), limits()).until_change(PREEMPTING)
     assert decision.knob == MAX_NUM_SEQS
+
+
+def test_a_cache_filling_up_adds_engines_before_it_is_full() -> None:
+    # Long-lived sequences: no queue, TTFT fine, the cache 88 % full on 2 engines.
+    filling = window(kv_cache_usage=0.88, requests_running=400.0)
+    run = Run(settings(replicas=2), limits())
+    assert run.step(filling).action == "hold"  # one window is not a trend
+    decision = run.step(filling)
+    assert (decision.knob, decision.old, decision.new) == (REPLICAS, 2, 3)  # 59 % on 3
+    assert "KV cache 88% full for 2 windows" in decision.reason
+
+
+def test_no_scale_down_that_would_fill_the_cache() -> None:
+    # Idle by requests/s (a rate is measured), but the cache is 40 % full on 3 engines:
+    # on 2 it would be 60 %... and on 2 at 55 % it would be 82 %: that one stays.
+    full = dataclasses.replace(IDLE, pods=3, kv_cache_usage=0.55)
+    run = measured(Run(settings(replicas=3), limits()), 10.0)
+    assert all(run.step(full).action == "hold" for _ in range(10))
+    roomy = dataclasses.replace(full, kv_cache_usage=0.4)
+    assert run.until_change(roomy).new == 2
+
+
+def test_ttft_close_to_the_target_adds_one_engine() -> None:
+    close = window(ttft_p95_s=0.85)  # 85 % of the 1 s target, nothing else wrong
+    run = Run(settings(replicas=2), limits())
+    assert run.step(close).action == "hold"
+    decision = run.step(close)
+    assert (decision.knob, decision.old, decision.new) == (REPLICAS, 2, 3)
+    assert "85% of the 1s target" in decision.reason
+    assert all(run.step(window(ttft_p95_s=0.7)).action == "hold" for _ in range(20))
 
 
 def test_no_scale_down_without_a_measured_saturated_rate() -> None:

@@ -85,8 +85,12 @@ class PolicyConfig:
     busy_fraction: float = 0.9  # running / maxNumSeqs at which batch slots are the limit
     kv_headroom: float = 0.75  # KV usage below which more sequences fit
     kv_bound: float = 0.9  # KV usage at which the cache, not the batch, is the limit
+    kv_busy: float = 0.85  # KV usage that, sustained, adds replicas before the cache fills
     preemptions_per_pod_s: float = 0.05  # sustained preemption rate that calls for action
     idle_ttft_fraction: float = 0.5  # TTFT p95 below this share of the target is "idle"
+    # TTFT p95 above this share of the target (and within it) is too close: one more engine.
+    # Far enough from idle's share that ±20 % noise cannot trigger both.
+    near_ttft_fraction: float = 0.8
     idle_queue_per_pod: float = 0.1
     scale_down_utilization: float = 0.6  # load per engine left after removing one
     busy_utilization: float = 0.92  # demand per engine, of its saturated rate: scale up early

@@ -50,6 +50,8 @@ def empty_state() -> dict[str, Any]:
             "idle": 0,
             "preempting": 0,
             "kvBound": 0,
+            "kvBusy": 0,
+            "nearTarget": 0,
             "busy": 0,
             "queued": 0,
         },
@@ -273,11 +275,16 @@ def _updated_streaks(
     busy = capacity is not None and demand_per_s(snapshot) / pods >= (
         config.busy_utilization * capacity
     )
+    # Filling without preemptions yet (with them, the batch is what outgrows the cache).
+    kv_busy = snapshot.kv_cache_usage >= config.kv_busy and not preempting
+    near_target = ttft is not None and ttft > config.near_ttft_fraction * limits.ttft_target_s
     conditions = {
         "overload": overload,
         "idle": idle,
         "preempting": preempting,
         "kvBound": kv_bound,
+        "kvBusy": kv_busy,
+        "nearTarget": near_target,
         "busy": busy,
         "queued": queued,
     }
@@ -365,6 +372,24 @@ def _candidates(
         why = f"demand at {load:.0%} of the engines' saturated rate"
         scale_up = _scale_up(snapshot, replicas, why, capacity, config)
         candidates += [scale_up] if scale_up is not None else []
+    elif streaks["kvBusy"] >= config.windows_up:
+        # Sequences that live long fill the cache before compute or slots run out: when it
+        # is full, requests queue for it (or are preempted). Add engines before that, enough
+        # to bring the cache back to kv_headroom.
+        wanted = math.ceil(snapshot.pods * snapshot.kv_cache_usage / config.kv_headroom)
+        new = min(max(wanted, replicas + 1), config.max_scale_up_factor * replicas)
+        candidates.append(Proposal(
+            REPLICAS, new,
+            f"KV cache {snapshot.kv_cache_usage:.0%} full for {streaks['kvBusy']} windows: "
+            f"{new:g} engines hold it at {snapshot.kv_cache_usage * snapshot.pods / new:.0%}",
+        ))  # fmt: skip
+    elif streaks["nearTarget"] >= config.windows_up:
+        ttft = snapshot.ttft_p95_s or 0.0
+        candidates.append(Proposal(
+            REPLICAS, replicas + 1,
+            f"TTFT p95 {ttft:.3g}s at {ttft / limits.ttft_target_s:.0%} of the "
+            f"{limits.ttft_target_s:g}s target for {streaks['nearTarget']} windows",
+        ))  # fmt: skip
     if streaks["idle"] >= config.windows_down and snapshot.pods > 1:
         scale_down = _scale_down(snapshot, replicas, capacity, config)
         if scale_down is not None:
@@ -397,7 +422,8 @@ def _scale_down(
         return None
     pods_after = snapshot.pods - 1
     load_after = demand_per_s(snapshot) / pods_after / capacity
-    if load_after > config.scale_down_utilization:
+    kv_after = snapshot.kv_cache_usage * snapshot.pods / pods_after
+    if load_after > config.scale_down_utilization or kv_after > config.kv_headroom:
         return None
     why = (f"idle for {snapshot.window_s:g}s windows: {pods_after} engines would run at "
            f"{load_after:.0%} of their saturated rate")  # fmt: skip

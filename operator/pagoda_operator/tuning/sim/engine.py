@@ -191,7 +191,7 @@ class Replica:
         prompt chunk decodes the running batch too, the rest of the tick is decode steps."""
         self._abandon(now)
         step_s = self.model.decode_step_s(len(self.running), float(self.context.sum()))
-        chunks, prefill_work = self._admit(now, step_s)
+        chunks, prefill_work = self._admit(now, dt, step_s)
         work_s = self.backlog_s + prefill_work + chunks * step_s
         self.backlog_s = max(0.0, work_s - dt)
         if len(self.running):
@@ -207,13 +207,16 @@ class Replica:
         self.stats.aborted += len(self.waiting) - len(kept)
         self.waiting = kept
 
-    def _admit(self, now: float, step_s: float) -> tuple[int, float]:
-        """Admits from the head of the queue; the number of prefill steps and their work."""
+    def _admit(self, now: float, dt: float, step_s: float) -> tuple[int, float]:
+        """Admits from the head of the queue while this tick has time for their prefill
+        (the engine schedules a prompt only into a step's token budget, so the rest stay
+        waiting, as its metrics show); the number of prefill steps and their work."""
         budget = self.model.max_num_batched_tokens
         new_tokens, work_s = 0, 0.0
         used = self.kv_used()
         added: list[tuple[int, int, int]] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while (self.waiting and len(self.running) < self.max_num_seqs
+               and self.backlog_s + work_s < dt):  # fmt: skip
             request = self.waiting[0]
             hit = request.prefix >= 0 and request.prefix in self.cached
             shared = request.prefix_len if request.prefix >= 0 else 0
