@@ -219,7 +219,16 @@ def test_a_cache_filling_up_adds_engines_before_it_is_full() -> None:
     assert run.step(filling).action == "hold"  # one window is not a trend
     decision = run.step(filling)
     assert (decision.knob, decision.old, decision.new) == (REPLICAS, 2, 3)  # 59 % on 3
-    assert "KV cache 88% full for 2 windows" in decision.reason
+    assert "KV cache 88% full" in decision.reason and "for 2 windows" in decision.reason
+
+
+def test_a_cache_filling_fast_adds_engines_in_one_window() -> None:
+    run = Run(settings(replicas=2), limits())
+    assert run.step(window(kv_cache_usage=0.6, requests_running=300.0)).action == "hold"
+    # 60 % -> 80 %: at this pace 100 % by the next window.
+    decision = run.step(window(kv_cache_usage=0.8, requests_running=400.0))
+    assert (decision.action, decision.knob, decision.new) == ("change", REPLICAS, 3)
+    assert "next window at this pace: 100%" in decision.reason
 
 
 def test_no_scale_down_that_would_fill_the_cache() -> None:

@@ -62,6 +62,7 @@ def empty_state() -> dict[str, Any]:
         "lastMove": {},
         "rejected": [],
         "lastOomTime": None,
+        "lastKvUsage": None,
     }
 
 
@@ -97,7 +98,11 @@ def decide(
             state["capacity"], snapshot, state["streaks"]["queued"], now, limits, config
         )
     capacity = _usable_capacity(state["capacity"], snapshot, config)
-    state["streaks"] = _updated_streaks(state["streaks"], snapshot, limits, capacity, config)
+    kv_next = _projected_kv(snapshot, state["lastKvUsage"])
+    state["lastKvUsage"] = snapshot.kv_cache_usage
+    state["streaks"] = _updated_streaks(
+        state["streaks"], snapshot, limits, capacity, kv_next, config
+    )
     if snapshot.oom_kills:
         state["lastOomTime"] = now
     state["rejected"] = [r for r in state["rejected"] if r["until"] > now]
@@ -116,7 +121,7 @@ def decide(
         if urgent_only and not _escalate(snapshot, state, limits, config):
             return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
     proposal, blocked = _first_proposal(
-        snapshot, settings, limits, state, now, config, urgent_only
+        snapshot, settings, limits, state, now, kv_next, config, urgent_only
     )
     if proposal is None and urgent_only:
         return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
@@ -250,11 +255,19 @@ def demand_per_s(snapshot: Snapshot) -> float:
     return max(0.0, snapshot.requests_per_s + snapshot.aborted_per_s + snapshot.queue_growth_per_s)
 
 
+def _projected_kv(snapshot: Snapshot, before: float | None) -> float:
+    """The KV cache usage one window ahead if it keeps rising as it did in this one."""
+    if before is None:
+        return snapshot.kv_cache_usage
+    return snapshot.kv_cache_usage + max(0.0, snapshot.kv_cache_usage - before)
+
+
 def _updated_streaks(
     streaks: dict[str, int],
     snapshot: Snapshot,
     limits: Limits,
     capacity: float | None,
+    kv_next: float,
     config: PolicyConfig,
 ) -> dict[str, int]:
     """Consecutive windows for which each condition held; a window without it resets it."""
@@ -276,7 +289,9 @@ def _updated_streaks(
         config.busy_utilization * capacity
     )
     # Filling without preemptions yet (with them, the batch is what outgrows the cache).
-    kv_busy = snapshot.kv_cache_usage >= config.kv_busy and not preempting
+    kv_busy = not preempting and (
+        snapshot.kv_cache_usage >= config.kv_busy or _filling_fast(snapshot, kv_next, config)
+    )
     near_target = ttft is not None and ttft > config.near_ttft_fraction * limits.ttft_target_s
     conditions = {
         "overload": overload,
@@ -291,19 +306,27 @@ def _updated_streaks(
     return {name: (streaks.get(name, 0) + 1 if held else 0) for name, held in conditions.items()}
 
 
+def _filling_fast(snapshot: Snapshot, kv_next: float, config: PolicyConfig) -> bool:
+    """Past kv_headroom and, at this window's pace, past kv_bound by the next: no time for
+    hysteresis (a cache that fills admits no one, or preempts)."""
+    usage = snapshot.kv_cache_usage
+    return usage >= config.kv_headroom and kv_next >= config.kv_bound and kv_next > usage
+
+
 def _first_proposal(
     snapshot: Snapshot,
     settings: dict[str, float],
     limits: Limits,
     state: dict[str, Any],
     now: float,
+    kv_next: float,
     config: PolicyConfig,
     urgent_only: bool = False,
 ) -> tuple[Proposal | None, str]:
     """The first rule, in order of urgency, whose change is allowed (only those that add
     capacity when ``urgent_only``); else None and why the most urgent one was not."""
     blocked = ""
-    for candidate in _candidates(snapshot, settings, limits, state, now, config):
+    for candidate in _candidates(snapshot, settings, limits, state, now, kv_next, config):
         if urgent_only and not _urgent(candidate, settings):
             continue
         allowed = _allowed(candidate, settings, limits, state, now, config)
@@ -319,6 +342,7 @@ def _candidates(
     limits: Limits,
     state: dict[str, Any],
     now: float,
+    kv_next: float,
     config: PolicyConfig,
 ) -> list[Proposal]:
     streaks = state["streaks"]
@@ -372,7 +396,9 @@ def _candidates(
         why = f"demand at {load:.0%} of the engines' saturated rate"
         scale_up = _scale_up(snapshot, replicas, why, capacity, config)
         candidates += [scale_up] if scale_up is not None else []
-    elif streaks["kvBusy"] >= config.windows_up:
+    elif streaks["kvBusy"] >= config.windows_up or (
+        streaks["kvBusy"] and _filling_fast(snapshot, kv_next, config)
+    ):
         # Sequences that live long fill the cache before compute or slots run out: when it
         # is full, requests queue for it (or are preempted). Add engines before that, enough
         # to bring the cache back to kv_headroom.
@@ -380,7 +406,8 @@ def _candidates(
         new = min(max(wanted, replicas + 1), config.max_scale_up_factor * replicas)
         candidates.append(Proposal(
             REPLICAS, new,
-            f"KV cache {snapshot.kv_cache_usage:.0%} full for {streaks['kvBusy']} windows: "
+            f"KV cache {snapshot.kv_cache_usage:.0%} full (next window at this pace: "
+            f"{min(kv_next, 1.0):.0%}) for {streaks['kvBusy']} windows: "
             f"{new:g} engines hold it at {snapshot.kv_cache_usage * snapshot.pods / new:.0%}",
         ))  # fmt: skip
     elif streaks["nearTarget"] >= config.windows_up:

@@ -39,7 +39,7 @@ from pagoda_operator.tuning.sim.traces import TRACES, Trace
 
 SLO_ATTAINMENT = 0.95
 MAX_REPLICAS = 12
-STATIC_MAX_NUM_SEQS = (64, 128, 256, 1024)
+STATIC_MAX_NUM_SEQS = (128, 256, 1024)
 STATIC_GPU_MEMORY = (0.9, 0.95)
 # The product's engine defaults on a GPU (maxNumSeqs left out resolves to 1024) on 2 replicas.
 START = {REPLICAS: 2, MAX_NUM_SEQS: 1024, GPU_MEMORY_UTILIZATION: 0.9}

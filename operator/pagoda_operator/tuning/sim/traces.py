@@ -80,17 +80,17 @@ def _chat(_: float) -> Sizes:
 
 def diurnal() -> Trace:
     def rate(t: float) -> float:
-        # A day squeezed into two hours: a night trough of 4 req/s, a peak of 56 at noon.
-        return 30.0 - 26.0 * math.cos(2 * math.pi * t / 7200)
+        # A day squeezed into two hours: a night trough of 10 req/s, a peak of 130 at noon.
+        return 70.0 - 60.0 * math.cos(2 * math.pi * t / 7200)
 
-    return Trace("diurnal", 7200, rate, _chat, "4 -> 56 -> 4 req/s of chat over 2 h")
+    return Trace("diurnal", 7200, rate, _chat, "10 -> 130 -> 10 req/s of chat over 2 h")
 
 
 def burst() -> Trace:
     def rate(t: float) -> float:
-        return 60.0 if 1200 <= t < 1800 else 20.0
+        return 120.0 if 1200 <= t < 1800 else 40.0
 
-    return Trace("burst", 3600, rate, _chat, "20 req/s of chat with a 10-minute burst of 60 req/s")
+    return Trace("burst", 3600, rate, _chat, "40 req/s of chat with a 10-minute burst of 120 req/s")
 
 
 def long_context_shift() -> Trace:
@@ -98,11 +98,11 @@ def long_context_shift() -> Trace:
         return CHAT if t < 1200 else LONG_CONTEXT
 
     def rate(t: float) -> float:
-        return 24.0 if t < 1200 else 3.0
+        return 48.0 if t < 1200 else 5.0
 
     return Trace(
         "long-context", 3600, rate, sizes,
-        "24 req/s of chat, then after 20 min 3 req/s of 8k-24k-token prompts",
+        "48 req/s of chat, then after 20 min 5 req/s of 8k-24k-token prompts",
         ttft_target_s=3.0,
     )  # fmt: skip
 
@@ -118,8 +118,8 @@ def kv_growth() -> Trace:
         return (4_096, 8_192), (int(256 + 1_792 * grown), int(1_024 + 5_120 * grown))
 
     return Trace(
-        "kv-growth", 3600, lambda t: 2.0, sizes,
-        "2 req/s of 4k-8k-token prompts whose answers grow from 256-1k to 2k-6k tokens "
+        "kv-growth", 3600, lambda t: 4.0, sizes,
+        "4 req/s of 4k-8k-token prompts whose answers grow from 256-1k to 2k-6k tokens "
         "over 40 min",
         ttft_target_s=3.0,
     )  # fmt: skip
@@ -127,8 +127,8 @@ def kv_growth() -> Trace:
 
 def tenants() -> Trace:
     return Trace(
-        "tenants", 3600, lambda t: 40.0, lambda t: ((64, 512), (64, 256)),
-        "40 req/s from 16 tenants, each request a 3k-token tenant system prompt and "
+        "tenants", 3600, lambda t: 120.0, lambda t: ((64, 512), (64, 256)),
+        "120 req/s from 16 tenants, each request a 3k-token tenant system prompt and "
         "64-512 tokens of its own",
         tenants=Tenants(16, 3_072),
     )  # fmt: skip
