@@ -48,8 +48,8 @@ def test_a_batch_that_outgrows_the_cache_preempts_and_one_that_fits_does_not() -
     preemptions = {}
     for seqs in (256, 100):
         replica = Replica(model, seqs, 0.9, ready_at=0.0)
-        replica.waiting.extend(Request(0.0, 16_000, 2_000) for _ in range(300))
-        for tick in range(300):
+        for tick in range(1500):  # 5 minutes of 16k-token prompts with long answers
+            replica.waiting.append(Request(tick * 0.2, 16_000, 2_000))
             replica.step(tick * 0.2, 0.2)
         preemptions[seqs] = replica.take_stats().preemptions
     assert preemptions[256] > 0 and preemptions[100] == 0
