@@ -12,26 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_checkpoints import (
-    dequantize,
-    fake_quantized_reference,
-    is_projection,
-    per_channel,
-    prompt_logprobs_of,
+    ENGINE,
+    PROMPTS,
+    check,
+    differences,
+    engine_prompt_logprobs,
+    held_weights,
+    original_projections,
+    reference_prompt_logprobs,
     write_fp8_checkpoint,
 )
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
-from transformers import AutoModelForCausalLM
 
 from inference import LLM, SamplingParams
-
-PROMPTS = [[(7 * i + 3 * j) % 300 + 3 for i in range(n)] for j, n in enumerate((40, 17, 64))]
-ENGINE = dict(device="cpu", max_model_len=128, block_size=16, max_num_batched_tokens=32)
-# The engine computes the scheme in float32 like the reference, but sums in another order:
-# most positions agree to float32 rounding; now and then an activation lands on the other
-# side of an fp8 rounding boundary, which sharp attention amplifies at a few positions
-# (up to ~0.1 measured). A wrong scale or shard moves every position by tenths.
-EXACT, MIN_EXACT_SHARE, MEAN_TOL = 1e-4, 0.8, 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -41,43 +35,8 @@ def source(tmp_path_factory) -> Path:
     return folder
 
 
-def engine_prompt_logprobs(folder: Path, **kwargs) -> list[torch.Tensor]:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    with LLM(str(folder), **ENGINE, **kwargs) as llm:
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [
-        torch.tensor([entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], p[1:],
-                                                            strict=True)])  # fmt: skip
-        for o, p in zip(outs, PROMPTS, strict=True)
-    ]
-
-
-def reference_prompt_logprobs(folder: Path, weights: dict[str, torch.Tensor]):
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf = fake_quantized_reference(hf, weights)
-    return [prompt_logprobs_of(hf, p) for p in PROMPTS]
-
-
-def differences(engine, reference) -> tuple[float, float]:
-    """(mean |difference|, share of positions within EXACT)."""
-    diff = torch.cat([(e - r).abs() for e, r in zip(engine, reference, strict=True)])
-    return diff.mean().item(), (diff <= EXACT).float().mean().item()
-
-
-def check(engine, reference) -> float:
-    mean, share = differences(engine, reference)
-    assert mean <= MEAN_TOL and share >= MIN_EXACT_SHARE, (mean, share)
-    return mean
-
-
-def original_projections(folder: Path) -> dict[str, torch.Tensor]:
-    (file,) = folder.glob("*.safetensors")
-    return {n: t for n, t in load_file(file).items() if is_projection(n)}
-
-
 def test_online_quantization_matches_the_scheme(source: Path) -> None:
-    meant = {n: dequantize(*per_channel(w)) for n, w in original_projections(source).items()}
-    reference = reference_prompt_logprobs(source, meant)
+    reference = reference_prompt_logprobs(source, held_weights(original_projections(source)))
     mean = check(engine_prompt_logprobs(source, quantization="fp8"), reference)
     # ...and the quantization is visible: the unquantized model is much further away.
     assert differences(engine_prompt_logprobs(source), reference)[0] > 5 * mean
@@ -113,8 +72,7 @@ def test_block_wise_checkpoint_is_requantized_per_channel(source, tmp_path) -> N
     assert (held - original).norm() / original.norm() < 2 * checkpoint_error
     print(f"block-wise [32, 48] requantized per channel: weight error {requantized:.4f} "
           f"relative to the checkpoint's; checkpoint vs original {checkpoint_error:.4f}")
-    held_weights = {n: dequantize(*per_channel(w)) for n, w in meant.items()}
-    check(engine_prompt_logprobs(folder), reference_prompt_logprobs(source, held_weights))
+    check(engine_prompt_logprobs(folder), reference_prompt_logprobs(source, held_weights(meant)))
 
 
 def test_greedy_decoding_runs_on_an_fp8_checkpoint(source, tmp_path) -> None:
