@@ -131,11 +131,12 @@ def _prompts(folder: Path, real: bool, count: int, vocab_size: int, length: int)
     from inference.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                       add_generation_prompt=True)  # fmt: skip
         for text in PROMPTS_TEXT[:count]
     ]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
 
 
 def _greedy(folder: Path, prompts: list, new_tokens: int, engine: dict, quantization):
