@@ -228,7 +228,8 @@ def quality(name: str, folder: Path, real: bool, args: argparse.Namespace) -> di
     prompts = _prompts(folder, real, args.num_prompts, config["vocab_size"], args.prompt_len)
     engine = {"dtype": "bfloat16" if device.type == "cuda" else "float32",
               "max_model_len": max(map(len, prompts)) + args.new_tokens,
-              "gpu_memory_utilization": args.gpu_memory_utilization}  # fmt: skip
+              "gpu_memory_utilization": args.gpu_memory_utilization,
+              "num_kv_blocks": args.num_kv_blocks}  # fmt: skip
     start = time.perf_counter()
     base = _greedy(folder, prompts, args.new_tokens, engine, None)
     fp8 = _greedy(folder, prompts, args.new_tokens, engine, "fp8")
@@ -328,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts-offline", type=int, default=256)
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="quality engines' KV cache in blocks (default: from free memory)")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-embedded", action="store_true",
