@@ -14,9 +14,9 @@ captured CUDA graph replays what was captured):
   (M <= ``MAX_M``): a weight stream of half the bf16 bytes, the activation scale computed
   inside the kernel (no extra launch);
 - ``torch._scaled_mm`` (cuBLASLt, FP8 tensor cores, row-wise scales) on CUDA for larger M
-  with bf16 activations and N, K multiples of 16;
+  with bf16/fp16 activations and N, K multiples of 16;
 - ``fp8_linear_ref``, plain torch in float32 (dequantized fp8 operands, which multiply
-  exactly), everywhere else: CPU, fp16/fp32 activations, odd shapes.
+  exactly), everywhere else: CPU, float32 activations, odd shapes.
 """
 
 import torch
@@ -86,9 +86,11 @@ def fp8_linear_ref(
 
 def use_scaled_mm(n: int, k: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether cuBLASLt's FP8 GEMM can take a step the Triton kernel does not (M past
-    ``MAX_M``, or Triton disabled): CUDA, bf16 activations (row-wise scaling writes bf16),
-    N and K multiples of 16 (its alignment rule)."""
-    return device_type == "cuda" and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+    ``MAX_M``, or Triton disabled): CUDA, bf16 or fp16 activations (row-wise scaling writes
+    bf16; fp16 is cast from it, a rounding far below fp8's), N and K multiples of 16 (its
+    alignment rule). float32 activations keep the exact reference."""
+    return (device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and n % 16 == 0 and k % 16 == 0)  # fmt: skip
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
@@ -116,8 +118,9 @@ def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_per_token_ref(rows)
     result = torch._scaled_mm(
-        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype
-    )
+        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
+        out_dtype=torch.bfloat16,
+    ).to(x.dtype)
     if bias is not None:
         result += bias
     return _finish(result, x, weight.shape[0], out)

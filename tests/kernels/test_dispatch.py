@@ -56,6 +56,7 @@ def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_config(MAX_M + 1, 3584, 3584, cpu) is None
     assert choose_config(0, 3584, 3584, cpu) is None
     assert use_scaled_mm(3584, 18944, bf16, "cuda")
-    assert not use_scaled_mm(3584, 18944, torch.float16, "cuda")  # row-wise scaling: bf16 out
+    assert use_scaled_mm(3584, 18944, torch.float16, "cuda")  # bf16 out, cast to fp16
+    assert not use_scaled_mm(3584, 18944, torch.float32, "cuda")  # the exact reference
     assert not use_scaled_mm(3584, 100, bf16, "cuda")  # K not a multiple of 16
     assert not use_scaled_mm(3584, 18944, bf16, "cpu")
