@@ -18,6 +18,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from inference.quantization import QUANTIZATION_METHODS, resolve_quantization
+
 if TYPE_CHECKING:
     from inference.models.config import ModelConfig
 
@@ -67,6 +69,12 @@ class EngineConfig:
     dtype: str = field(
         default="auto", metadata=_flag("weight and activation dtype (auto: the model's, "
                                        "float32 on CPU)", choices=_DTYPES))
+    quantization: str | None = field(
+        default=None, metadata=_flag(
+            "weight quantization: fp8 quantizes a bf16/fp16/fp32 checkpoint's linear "
+            "projections to float8_e4m3 at load (per-channel weight scales, per-token dynamic "
+            "activation scales); default: the checkpoint's own (FP8 checkpoints in the Hugging "
+            "Face fp8 or compressed-tensors format load as fp8)", choices=QUANTIZATION_METHODS))
     seed: int = field(default=0, metadata=_flag("random seed of the engine"))
     device: str = field(
         default="auto", metadata=_flag("where the engine runs (auto: a GPU when there is one)",
@@ -102,7 +110,9 @@ class EngineConfig:
     def resolve(self, model_config: ModelConfig, device_type: str) -> ResolvedEngineConfig:
         """This config with the model's and the device's limits filled in.
 
-        ValueError if ``max_model_len`` exceeds what the model can attend to. A batch limit
+        ValueError if ``max_model_len`` exceeds what the model can attend to, or if the
+        checkpoint's quantization is not supported (a quantized checkpoint sets
+        ``quantization``: see ``inference.quantization``). A batch limit
         left out defers to the other one given: a small token budget lowers the default
         ``max_num_seqs`` to it (a step could not hold more sequences anyway), and a large
         ``max_num_seqs`` raises the default budget to it."""
@@ -127,6 +137,8 @@ class EngineConfig:
             "max_model_len": self.max_model_len or limit,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "quantization": resolve_quantization(self.quantization,
+                                                 model_config.quantization_config),
         })
 
     def validate(self) -> None:
@@ -162,6 +174,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or "
+                             f"unset, got {self.quantization!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
 

@@ -119,6 +119,7 @@ class LLMEngine:
             prefix_cache_root(
                 model=str(self.model_path), load_format=config.load_format,
                 dtype=str(self.dtype), kv_cache_dtype=str(self.dtype),  # KV is kept in the model dtype
+                quantization=config.quantization,
             ),
         )  # fmt: skip
         self.scheduler = Scheduler(

@@ -8,6 +8,7 @@ otherwise. Tests compare every kernel against its reference.
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention import paged_attention, paged_attention_ref
+from kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from kernels.linear import (
     linear,
@@ -23,6 +24,8 @@ from kernels.rotary_kv_cache import (
 )
 
 __all__ = [
+    "fp8_linear",
+    "fp8_linear_ref",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "linear",

@@ -58,6 +58,23 @@ def silu_and_mul64(x: torch.Tensor) -> torch.Tensor:
     return gate * torch.sigmoid(gate) * up
 
 
+def fp8_linear64(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The FP8 scheme of ``kernels.fp8_linear`` in float64: x quantized per token to
+    float8_e4m3fn (scale amax / 448, floored as vLLM), exact products and sums."""
+    rows = x.double().reshape(-1, x.shape[-1])
+    scale = (rows.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1.0 / (448.0 * 512.0))
+    quantized = (rows / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
+    out = quantized @ weight.double().T * scale * weight_scale.double()[None, :]
+    if bias is not None:
+        out = out + bias.double()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in float64; inf if ``actual`` has a NaN/inf."""
     actual64, expected64 = actual.double(), expected.double()

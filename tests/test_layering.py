@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
     ("inference.models",),  # model families, weight loading
+    ("inference.quantization",),  # FP8 weights: their layout, filled from a checkpoint
     ("inference.layers",),  # attention metadata, embedding, rotary
     ("inference.scheduler",),
     ("inference.block_manager",),
@@ -40,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.sequence",),
     ("inference.engine_messages",),  # engine process <-> server
     ("inference.config",),  # EngineConfig
+    ("inference.quantization.__init__",),  # which quantization a checkpoint asks for
     (  # what a model is and where it comes from
         "inference.models.config", "inference.model_files", "inference.model_shapes",
         "inference.download",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
 # table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
-# Parts: all | parity | structured | bench | serve | tp. JSON results land in $OUT (or ./bench-out).
+# Parts: all | parity | structured | bench | serve | tp | fp8. JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Multi-GPU hosts here keep NVLink multicast off (see the device notes).
@@ -41,6 +41,11 @@ if [[ $PART == all || $PART == tp ]]; then
   else
     echo "tp: skipped, this machine has fewer than 2 GPUs"
   fi
+fi
+if [[ $PART == all || $PART == fp8 ]]; then
+  # FP8 weights against bf16: quality (SmolLM2 + a realistic random model) and speed
+  # (Qwen2.5-1.5B/7B, batch 1 and 256 offline), one JSON.
+  $B.fp8_check --output-json "$OUT/fp8_check_h200.json" 2>&1 | grep -E "^(quality|speed)"
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

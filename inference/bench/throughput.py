@@ -48,6 +48,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "throughput",
         model=args.model,
         tensor_parallel_size=engine.config.tensor_parallel_size,
+        quantization=engine.config.quantization,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,

@@ -43,6 +43,9 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int]
     bos_token_id: int | None
+    # The checkpoint's Hugging Face quantization_config, as written (inference.quantization
+    # reads it); None for an unquantized checkpoint.
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -86,6 +89,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            quantization_config=cfg.get("quantization_config"),
         )
 
     @classmethod

@@ -11,6 +11,10 @@ are fewer KV heads than ranks), its rows of gate/up and the matching columns of 
 down_proj, and a slice of the vocabulary; o_proj's and down_proj's partial sums and the
 embedding are all-reduced, the LM head's logits all-gathered. ``ModelConfig`` stays the
 global shape; the local sizes follow from (config, rank, world size).
+
+FP8 (``quantization="fp8"``): the four projections of each layer are float8_e4m3fn with a
+float32 scale per output row (``<name>_scale``) and run through ``kernels.fp8_linear``;
+``inference/quantization/fp8.py`` fills them from whatever the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from inference.parallel_state import (
     kv_head_range,
     vocab_range,
 )
+from inference.quantization import fp8
 from kernels.linear import MAX_M as SKINNY_MAX_M
 
 # Decode-sized steps go through kernels.linear (a Triton skinny GEMM where it beats cuBLAS);
@@ -41,18 +46,24 @@ def _linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if scale is not None:  # an FP8 projection
+        return kernels.fp8_linear(x, weight, scale, bias, out)
     if x.shape[0] <= _SKINNY_MAX_TOKENS:
         return kernels.linear(x, weight, bias, out)
     return kernels.linear_ref(x, weight, bias, out)
 
 
-def _empty(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _empty(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, parallel: ParallelContext = SINGLE,
+        quantization: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parallel = parallel
         world = parallel.world_size
@@ -65,16 +76,23 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim**-0.5
         intermediate = cfg.intermediate_size // world
         self.input_norm = _empty(cfg.hidden_size)
-        # Column-parallel (output rows split): qkv and gate/up; row-parallel (input
-        # columns split, partial sums all-reduced): o_proj and down_proj.
-        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, cfg.hidden_size)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.q_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
-        self.o_proj = _empty(cfg.hidden_size, self.q_size)
         self.post_attention_norm = _empty(cfg.hidden_size)
-        self.gate_up_proj = _empty(2 * intermediate, cfg.hidden_size)
-        self.down_proj = _empty(cfg.hidden_size, intermediate)
+        # Column-parallel (output rows split): qkv and gate/up; row-parallel (input
+        # columns split, partial sums all-reduced): o_proj and down_proj.
+        shapes = {
+            "qkv_proj": (self.q_size + 2 * self.kv_size, cfg.hidden_size),
+            "o_proj": (cfg.hidden_size, self.q_size),
+            "gate_up_proj": (2 * intermediate, cfg.hidden_size),
+            "down_proj": (cfg.hidden_size, intermediate),
+        }
+        quantized = quantization == "fp8"
+        for name, (rows, cols) in shapes.items():
+            setattr(self, name, _empty(rows, cols, dtype=fp8.FP8_DTYPE if quantized else None))
+            setattr(self, name + "_scale",
+                    _empty(rows, dtype=torch.float32) if quantized else None)  # fmt: skip
 
     def forward(
         self,
@@ -96,14 +114,18 @@ class DecoderLayer(nn.Module):
         hidden, residual = kernels.fused_add_rms_norm(
             hidden, residual, self.post_attention_norm, self.eps
         )
-        if hidden.shape[0] <= _SKINNY_MAX_TOKENS:
+        if self.gate_up_proj_scale is not None:
+            gated = kernels.silu_and_mul(
+                kernels.fp8_linear(hidden, self.gate_up_proj, self.gate_up_proj_scale)
+            )
+        elif hidden.shape[0] <= _SKINNY_MAX_TOKENS:
             gated = kernels.linear_silu_and_mul(hidden, self.gate_up_proj)
         else:
             gated = kernels.silu_and_mul(nn.functional.linear(hidden, self.gate_up_proj))
         # Row-parallel: written straight into the all-reduce's staging buffer where it has one.
         staging = self.parallel.all_reduce_input(gated.shape[0], self.down_proj.shape[0],
                                                  gated.dtype)  # fmt: skip
-        hidden = _linear(gated, self.down_proj, out=staging)
+        hidden = _linear(gated, self.down_proj, out=staging, scale=self.down_proj_scale)
         return self.parallel.all_reduce(hidden), residual
 
     def _attention(
@@ -115,7 +137,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = _linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = _linear(hidden, self.qkv_proj, self.qkv_bias, scale=self.qkv_proj_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -138,13 +160,15 @@ class DecoderLayer(nn.Module):
             max_query_len=meta.max_query_len,
         )
         staging = self.parallel.all_reduce_input(num_tokens, self.o_proj.shape[0], out.dtype)
-        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, out=staging)
+        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, out=staging,
+                      scale=self.o_proj_scale)
         return self.parallel.all_reduce(out)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, max_position: int, parallel: ParallelContext = SINGLE
+        self, cfg: ModelConfig, max_position: int, parallel: ParallelContext = SINGLE,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -154,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, parallel.rank, parallel.world_size
         )
         self.embed_tokens = _empty(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, parallel) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, parallel, quantization) for _ in range(cfg.num_layers)
+        )
         self.norm = _empty(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _empty(vocab_rows, cfg.hidden_size)
         self.register_buffer(
@@ -203,8 +229,16 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, rows, source = placement
             param = self.get_parameter(target)
+            if param.dtype == fp8.FP8_DTYPE:
+                scale = self.get_parameter(target + "_scale")
+                fp8.load_projection(param, scale, rows, weight, source, name)
+                loaded.add(f"{target}:{rows}")
+                continue
+            if isinstance(weight, fp8.Fp8CheckpointWeight):
+                raise ValueError(f"weight {name}: FP8 in the checkpoint, but this engine "
+                                 "keeps it in full precision (embeddings, LM head, norms)")
             dest = param.data if rows is None else param.data.narrow(0, *rows)
-            tensor = read_shard(weight, source)
+            tensor = fp8.read_part(weight, source)
             if dest.shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
@@ -302,12 +336,3 @@ class LlamaForCausalLM(nn.Module):
 
 # (dim, start, length) of a checkpoint tensor; dim None: the whole tensor.
 _Source = tuple[int | None, int, int]
-
-
-def read_shard(weight, source: _Source) -> torch.Tensor:
-    """The part ``source`` of a tensor or of a lazy safetensors entry (which then reads
-    only that part from the file)."""
-    dim, start, length = source
-    if isinstance(weight, torch.Tensor):
-        return weight if dim is None else weight.narrow(dim, start, length)
-    return weight.read(dim, start, length)

@@ -14,6 +14,7 @@ from inference.models import get_model_class
 from inference.models.config import ModelConfig
 from inference.models.llama import LlamaForCausalLM
 from inference.parallel_state import SINGLE, ParallelContext
+from inference.quantization import checkpoint_scheme, fp8, resolve_quantization
 
 
 class SafetensorsWeight:
@@ -24,6 +25,10 @@ class SafetensorsWeight:
 
     def __init__(self, file, name: str) -> None:
         self.file, self.name = file, name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.file.get_slice(self.name).get_shape())
 
     def read(self, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
         if dim is None:
@@ -66,18 +71,42 @@ def load_model(
     max_position: int,
     load_format: str = "auto",
     parallel: ParallelContext = SINGLE,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """The model of ``folder`` on ``device``; ``quantization="fp8"``: its projections in
+    FP8 (quantized here from a full-precision checkpoint, or as an FP8 checkpoint stores
+    them: ``inference.quantization``)."""
     folder = Path(folder)
     cls = get_model_class(config)
+    quantization = resolve_quantization(quantization, config.quantization_config)
     # Parameters are created uninitialised, straight on the target device and dtype.
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config, max_position=max_position, parallel=parallel)
+        model = cls(config, max_position=max_position, parallel=parallel,
+                    quantization=quantization)  # fmt: skip
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     with torch.no_grad():
         if load_format == "dummy":
-            # Benchmarks of real model shapes: speed does not depend on the values.
-            for param in model.parameters():
-                param.normal_(0.0, 0.02)
+            _fill_dummy(model)
         else:
-            model.load_weights(iter_safetensors(folder, device))
+            model.load_weights(_checkpoint_weights(folder, device, config))
     return model.eval()
+
+
+def _fill_dummy(model: LlamaForCausalLM) -> None:
+    """Benchmarks of real model shapes: speed does not depend on the values."""
+    for name, param in model.named_parameters():
+        if param.dtype == fp8.FP8_DTYPE:
+            fp8.fill_dummy(param, model.get_parameter(name + "_scale"), std=0.02)
+        elif not name.endswith("_scale"):
+            param.normal_(0.0, 0.02)
+
+
+def _checkpoint_weights(folder: Path, device: torch.device, config: ModelConfig):
+    """(name, weight) of the checkpoint; an FP8 checkpoint's projection weights come with
+    their scales (``fp8.Fp8CheckpointWeight``)."""
+    scheme = checkpoint_scheme(config.quantization_config)
+    if scheme is None:
+        return iter_safetensors(folder, device)
+    scales = {name: weight.read() for name, weight in iter_safetensors(folder, device)
+              if fp8.is_scale_name(name)}  # fmt: skip
+    return fp8.with_checkpoint_scales(iter_safetensors(folder, device), scales, scheme)

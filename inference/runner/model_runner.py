@@ -66,7 +66,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(
             model_path, model_config, dtype, device, config.max_model_len, config.load_format,
-            parallel,
+            parallel, config.quantization,
         )
         self.load_seconds = time.perf_counter() - start
         self.sampler = Sampler()

@@ -26,3 +26,37 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch: pytest.MonkeyPatch)
 def test_missing_triton_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_backend, "triton_available", lambda: False)
     assert not _backend.use_triton(torch.zeros(1))
+
+
+def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8: the Triton skinny GEMM up to MAX_M tokens (here: the interpreter), cuBLASLt's
+    scaled matmul above it on CUDA with bf16 activations and 16-aligned N and K, the
+    reference everywhere else."""
+    from kernels._triton import fp8_linear as triton_fp8
+    from kernels.fp8_linear import MAX_M, choose_config, fp8_linear, fp8_linear_ref, use_scaled_mm
+
+    calls: list[int] = []
+    original = triton_fp8.fp8_linear
+    monkeypatch.setattr(triton_fp8, "fp8_linear", lambda x, *a, **k: (
+        calls.append(x.shape[0]), original(x, *a, **k))[1])  # fmt: skip
+    weight = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    scale = torch.rand(16) + 0.5
+    for m in (1, MAX_M, MAX_M + 1):
+        x = torch.randn(m, 32)
+        out = fp8_linear(x, weight, scale)
+        if m > MAX_M:  # CPU: the reference, bit for bit
+            assert torch.equal(out, fp8_linear_ref(x, weight, scale))
+    assert calls == [1, MAX_M]
+    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
+    x = torch.randn(2, 32)
+    assert torch.equal(fp8_linear(x, weight, scale), fp8_linear_ref(x, weight, scale))
+    assert calls == [1, MAX_M]
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert choose_config(MAX_M, 3584, 3584, cpu).kind == "fma"
+    assert choose_config(MAX_M + 1, 3584, 3584, cpu) is None
+    assert choose_config(0, 3584, 3584, cpu) is None
+    assert use_scaled_mm(3584, 18944, bf16, "cuda")
+    assert use_scaled_mm(3584, 18944, torch.float16, "cuda")  # bf16 out, cast to fp16
+    assert not use_scaled_mm(3584, 18944, torch.float32, "cuda")  # the exact reference
+    assert not use_scaled_mm(3584, 100, bf16, "cuda")  # K not a multiple of 16
+    assert not use_scaled_mm(3584, 18944, bf16, "cpu")
