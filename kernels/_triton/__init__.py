@@ -1,6 +1,6 @@
 """Triton kernels; imported only through ``kernels._backend``, never by ``import kernels``.
 
-Under ``TRITON_INTERPRET=1`` (CI runs the kernels on CPU that way) two small fixes are
+Under ``TRITON_INTERPRET=1`` (CI runs the kernels on CPU that way) three small fixes are
 applied to Triton 3.6's interpreter; compiled GPU kernels are never touched.
 """
 
@@ -58,6 +58,42 @@ def _patch_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_interpreter_fp8_casts() -> None:
+    """Round to float8_e4m3fn correctly under the interpreter.
+
+    Triton 3.6's interpreter converts floats bit by bit and rounds a downcast by adding the
+    first cut-off bit to the mantissa, without the carry into the exponent or ties to
+    even: about one value in ten lands on the wrong fp8 neighbour. The GPU rounds to
+    nearest even (``cvt.rn.satfinite``), as torch does, so casts to and from e4m3 go
+    through torch here (values are clamped to +-448 by the kernels before a downcast).
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_pagoda_patched", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        source, target = src.dtype.scalar, dst_type.scalar
+        if target == tl.float8e4nv and source == tl.float32:
+            values = torch.from_numpy(np.ascontiguousarray(src.data))
+            data = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, target)
+        if source == tl.float8e4nv and target == tl.float32:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data))
+            data = bits.view(torch.float8_e4m3fn).float().numpy()
+            return interpreter.TensorHandle(data, target)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._pagoda_patched = True  # type: ignore[attr-defined]
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
     _patch_interpreter_scalar_index()
     _patch_interpreter_bf16_dot()
+    _patch_interpreter_fp8_casts()
