@@ -68,6 +68,7 @@ def run_latency(args: argparse.Namespace) -> int:
             result = _measure(llm, vocab, batch, args.input_len, output_len, args.num_iters)
             results.append(record("latency", model=args.model,
                                   tensor_parallel_size=llm.engine.config.tensor_parallel_size,
+                                  kv_cache_dtype=llm.engine.config.kv_cache_dtype,
                                   **result))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
