@@ -351,7 +351,7 @@ def warm_up(
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=k_cache.device)
         query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32, device=k_cache.device)
         _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                torch.empty_like(q), tiling, k_scale, v_scale)  # fmt: skip
+                torch.empty_like(q), k_scale, v_scale, tiling)  # fmt: skip
     return found
 
 
@@ -392,13 +392,13 @@ def paged_attention(
         block_m=block_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
         num_stages=num_stages,
     )
-    _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, tiling,
-            k_scale, v_scale)  # fmt: skip
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, k_scale,
+            v_scale, tiling)  # fmt: skip
     return out
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            tiling: Tiling, k_scale=None, v_scale=None) -> None:  # fmt: skip
+            k_scale, v_scale, tiling: Tiling) -> None:  # fmt: skip
     num_tokens, num_heads, head_size = q.shape
     kv_fp8, k_scale, v_scale = scale_args(k_cache, v_cache, k_scale, v_scale)
     _, block_size, num_kv_heads, _ = k_cache.shape
