@@ -64,6 +64,10 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     ):
         if engine.get(field) is not None:
             args += [flag, str(engine[field])]
+    # Only when not the default: Deployments made before the field existed keep their pod
+    # template (no rollout on an operator upgrade).
+    if engine.get("kvCacheDtype", "auto") != "auto":
+        args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).

@@ -18,6 +18,7 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 .. 256
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+KV_CACHE_DTYPES = ("auto", "fp8")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -36,6 +37,7 @@ MANAGED_FLAGS = (
     "--block-size",
     "--max-model-len",
     "--dtype",
+    "--kv-cache-dtype",
     "--device",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
@@ -58,6 +60,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
         "gpuMemoryUtilization": 0.9,
         "blockSize": 16,
         "dtype": "auto",
+        "kvCacheDtype": "auto",
         "device": "auto",
         "enablePrefixCaching": True,
         "extraArgs": [],
@@ -244,6 +247,8 @@ def _engine_errors(engine: dict[str, Any]) -> list[str]:
         )
     if engine.get("dtype") not in DTYPES:
         errors.append(f"spec.engine.dtype: must be one of {', '.join(DTYPES)}")
+    if engine.get("kvCacheDtype", "auto") not in KV_CACHE_DTYPES:
+        errors.append(f"spec.engine.kvCacheDtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
     if engine.get("device") not in DEVICES:
         errors.append(f"spec.engine.device: must be one of {', '.join(DEVICES)}")
     if engine.get("device") == "cpu" and tp not in (None, 1):
