@@ -198,3 +198,44 @@ def test_mismatched_cache_dtypes_are_refused() -> None:
     batch["k_cache"] = batch["k_cache"].to(FP8_KV_DTYPE)
     with pytest.raises(ValueError, match="both be FP8"):
         paged_attention(**batch, scale=0.125)
+
+
+def test_dispatch_passes_the_scales_to_the_kernel_or_the_reference(monkeypatch) -> None:
+    """Each public op hands k_scale/v_scale to the Triton module under the interpreter, and
+    runs the reference (same result) with PAGODA_DISABLE_TRITON=1."""
+    from kernels import _backend
+
+    torch.manual_seed(6)
+    batch = fp8_batch([1, 3], [9, 3], 4, 2, 64, 16, torch.float32, 0.05, 0.02)
+    seen = []
+    for op_file, name in (("attention", "paged_attention"), ("kv_cache", "write_kv_cache"),
+                          ("rotary", "rotary_embedding_with_kv_cache")):  # fmt: skip
+        triton_module = _backend.triton_module(op_file)
+        real = getattr(triton_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            passed = [*args, *kwargs.values()]
+            seen.append((_name, any(x is batch["k_scale"] for x in passed)
+                         and any(x is batch["v_scale"] for x in passed)))  # fmt: skip
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(triton_module, name, spy)
+    out = paged_attention(**batch, scale=0.125)
+    key = torch.randn(2, 2, 64)
+    slots = torch.tensor([0, 5])
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    write_kv_cache(key, key, k_cache, v_cache, slots, batch["k_scale"], batch["v_scale"])
+    q, k, v = qkv_views(2, 4, 2, 64, torch.float32)
+    rotary_embedding_with_kv_cache(torch.tensor([3, 4]), q, k, v, cos_sin_cache(8, 64),
+                                   k_cache, v_cache, slots, batch["k_scale"],
+                                   batch["v_scale"])  # fmt: skip
+    assert [name for name, _ in seen] == ["paged_attention", "write_kv_cache",
+                                          "rotary_embedding_with_kv_cache"]  # fmt: skip
+    assert all(scales_passed for _, scales_passed in seen)
+
+    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
+    seen.clear()
+    reference = paged_attention(**batch, scale=0.125)
+    assert not seen
+    assert torch.equal(reference, paged_attention_ref(**batch, scale=0.125))
+    assert rel_err(out, reference) <= 2 * TOLERANCE[torch.float32]
