@@ -208,7 +208,7 @@ def fp8_kv_model(model, scales: dict[int, tuple[float, float]] | None = None):
     from kernels.kv_cache import dequantize_kv_ref, quantize_kv_ref
 
     def through_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-        scale_tensor = torch.tensor([scale])
+        scale_tensor = torch.tensor([scale], device=x.device)
         return dequantize_kv_ref(quantize_kv_ref(x, scale_tensor), scale_tensor).to(x.dtype)
 
     def attention(module, query, key, value, *args, **kwargs):
