@@ -3,7 +3,7 @@ and the KV sizing.
 
 - Differential rows (``tests/differential.py``): a float32 engine with an FP8 cache against
   transformers' float32 forward reading its keys and values through the same quantization
-  (``fp8_kv_model``), with the CPU suite's bounds (tests/engine/test_fp8_kv_cache.py says
+  (``fp8_kv_model``), with the CPU suite's bounds (tests/engine/test_fp8_kv_engine.py says
   where they come from): decode in CUDA graphs, split-KV attention, chunked prefill.
 - Against bf16 on a random model with realistic weight statistics (std 0.02, Qwen2.5-1.5B's
   head layout): the FP8 cache's blocks take half the bytes, so the KV capacity at the same
@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 MAX_MODEL_LEN = 1024
-# The CPU rows' bounds (tests/engine/test_fp8_kv_cache.py).
+# The CPU rows' bounds (tests/engine/test_fp8_kv_engine.py).
 MEAN_BOUND, MAX_BOUND = 5e-4, 3e-2
 # FP8 against bf16 KV on the random model, teacher-forced (mean over every prompt token).
 BF16_MEAN_BOUND = 0.05
