@@ -23,6 +23,7 @@ from inference.quantization import QUANTIZATION_METHODS, resolve_quantization
 if TYPE_CHECKING:
     from inference.models.config import ModelConfig
 
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
 
 # Batch limits when none are given: what an H100/H200-class card sustains (measured in
@@ -60,6 +61,11 @@ class EngineConfig:
             "16384 on a GPU, 2048 on CPU, and never below --max-num-seqs)"))
     block_size: int = field(
         default=16, metadata=_flag("tokens per KV-cache block (a power of two up to 256)"))
+    kv_cache_dtype: str = field(
+        default="auto", metadata=_flag(
+            "KV-cache dtype: auto keeps keys and values in the model's dtype; fp8 stores them "
+            "as float8_e4m3 with a per-layer scale (the checkpoint's k_scale/v_scale, else "
+            "1.0): twice the tokens in the same memory", choices=KV_CACHE_DTYPES))
     max_model_len: int | None = field(
         default=None, metadata=_flag("longest prompt plus output (default: the model's limit)"))
     enable_prefix_caching: bool = field(
@@ -172,6 +178,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

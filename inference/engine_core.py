@@ -113,6 +113,7 @@ def _engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
         vocab_size=engine.model_config.vocab_size,
         num_total_blocks=engine.num_total_blocks,
         dtype=str(engine.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
         device=str(engine.device),
         startup_phases=dict(engine.startup_phases),
         pid=os.getpid(),

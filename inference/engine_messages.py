@@ -69,6 +69,7 @@ class EngineInfo:
     num_total_blocks: int | None
     dtype: str
     device: str
+    kv_cache_dtype: str = ""  # resolved: the model's dtype or float8_e4m3fn
     startup_phases: dict[str, float] = field(default_factory=dict)
     pid: int = 0
     tokenizer: Any = field(default=None, repr=False)  # set in the server process

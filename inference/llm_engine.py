@@ -36,6 +36,7 @@ from inference.engine_setup import (
     resolve_dtype,
 )
 from inference.executor.interface import ModelExecutor, PendingStep
+from inference.layers.kv_cache import kv_cache_torch_dtype
 from inference.model_files import load_tokenizer, resolve_model
 from inference.models.config import ModelConfig
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -101,6 +102,7 @@ class LLMEngine:
         self.device = resolve_device(config)
         check_tensor_parallel(config, self.model_config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.config = config = config.resolve(self.model_config, self.device.type)
         torch.manual_seed(config.seed)
 
@@ -118,7 +120,7 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching,
             prefix_cache_root(
                 model=str(self.model_path), load_format=config.load_format,
-                dtype=str(self.dtype), kv_cache_dtype=str(self.dtype),  # KV is kept in the model dtype
+                dtype=str(self.dtype), kv_cache_dtype=str(self.kv_cache_dtype),
                 quantization=config.quantization,
             ),
         )  # fmt: skip
@@ -170,9 +172,10 @@ class LLMEngine:
         }
         logger.info("start-up by phase: %s", self.startup_phases)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB%s); max concurrency at "
+            "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB%s); max concurrency at "
             "max_model_len=%d: %.1f", num_blocks, config.block_size,
-            num_blocks * config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
+            num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+            num_blocks * self.runner.bytes_per_block / 2**30,
             " per GPU" if config.tensor_parallel_size > 1 else "",
             config.max_model_len, num_blocks * config.block_size / config.max_model_len,
         )

@@ -6,11 +6,16 @@ query token). Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_lo
 those are the *last* tokens of its ``seq_lens[b]`` tokens of context, whose keys and
 values are already in the cache (written this step by ``write_kv_cache``). Attention is
 causal within the context.
+
+An FP8 cache (``kernels.kv_cache``) is read as its e4m3 values times ``k_scale`` /
+``v_scale``; the kernel folds the key scale into the softmax scale and the value scale
+into the output, which is the same math.
 """
 
 import torch
 
 from kernels._backend import kernel_for
+from kernels.kv_cache import dequantize_kv_ref
 
 
 def paged_attention_ref(
@@ -23,13 +28,17 @@ def paged_attention_ref(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including
     this step's tokens); query_start_loc: [B + 1] int32. Returns [T, Hq, D].
 
     ``max_query_len`` is an optional hint (the longest query of the batch, known to the
-    scheduler): kernels may use it to pick a tiling; it never changes the result."""
+    scheduler): kernels may use it to pick a tiling; it never changes the result.
+    ``k_scale`` / ``v_scale``: one-element float32 tensors, the FP8 cache's scales (None:
+    1.0; ignored for a cache in the model's dtype)."""
     num_heads, head_size = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -44,8 +53,9 @@ def paged_attention_ref(
             continue
         num_blocks = (context_len + block_size - 1) // block_size
         blocks = block_tables[b, :num_blocks].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_size)[:context_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_size)[:context_len].float()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_size)[:context_len]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_size)[:context_len]
+        keys, values = dequantize_kv_ref(keys, k_scale), dequantize_kv_ref(values, v_scale)
         keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].float()  # [Lq, Hq, D]
@@ -69,6 +79,8 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatches to the Triton kernel (``kernels/_triton/attention.py``) or the reference.
 
@@ -77,8 +89,9 @@ def paged_attention(
     if triton_ops is not None:
         return triton_ops.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            max_query_len,
+            max_query_len, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len,
+        k_scale, v_scale,
+    )  # fmt: skip

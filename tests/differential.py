@@ -194,6 +194,34 @@ class Reference:
         return self._cache[key]
 
 
+def fp8_kv_model(model, scales: dict[int, tuple[float, float]] | None = None):
+    """A copy of transformers ``model`` whose attention reads its keys (after rotary) and
+    values as an FP8 KV cache holds them: divided by the layer's (k_scale, v_scale)
+    (``scales[layer]``, default 1.0), saturated to +-448, rounded to e4m3 and multiplied
+    back (``kernels.kv_cache``'s references). The reference of the engine with
+    ``kv_cache_dtype="fp8"``: the same quantization, float32 everywhere else."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kernels.kv_cache import dequantize_kv_ref, quantize_kv_ref
+
+    def through_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+        scale_tensor = torch.tensor([scale], device=x.device)
+        return dequantize_kv_ref(quantize_kv_ref(x, scale_tensor), scale_tensor).to(x.dtype)
+
+    def attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = (scales or {}).get(module.layer_idx, (1.0, 1.0))
+        key, value = through_fp8(key, k_scale), through_fp8(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("pagoda_fp8_kv", attention)
+    quantized = copy.deepcopy(model)
+    quantized.set_attn_implementation("pagoda_fp8_kv")
+    return quantized
+
+
 @dataclass
 class Report:
     num_tokens: int = 0

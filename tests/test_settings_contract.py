@@ -42,6 +42,7 @@ EVERY_KNOB = {
     "maxModelLen": 8192,
     "maxQueueLen": 100,
     "dtype": "bfloat16",
+    "kvCacheDtype": "fp8",
     "device": "cuda",
     "enablePrefixCaching": False,
     "toolCallParser": "llama3_json",
@@ -56,6 +57,7 @@ ENGINE_FIELDS = {
     "blockSize": "block_size",
     "maxModelLen": "max_model_len",
     "dtype": "dtype",
+    "kvCacheDtype": "kv_cache_dtype",
     "device": "device",
     "enablePrefixCaching": "enable_prefix_caching",
 }
@@ -157,6 +159,17 @@ def test_crd_defaults_are_the_engines(copy_name: str) -> None:
             assert crd_default == engine_defaults[name], knob
     allowed_dtypes = set(EngineConfig.__dataclass_fields__["dtype"].metadata["choices"])
     assert set(properties["dtype"]["enum"]) <= allowed_dtypes
+    assert properties["kvCacheDtype"]["enum"] == list(
+        EngineConfig.__dataclass_fields__["kv_cache_dtype"].metadata["choices"]
+    )
     assert properties["device"]["enum"] == list(
         EngineConfig.__dataclass_fields__["device"].metadata["choices"]
     )
+
+
+def test_default_kv_cache_dtype_adds_no_flag() -> None:
+    """Deployments made before kvCacheDtype existed keep their arguments (no rollout on an
+    operator upgrade); the engine's default is the CRD's."""
+    assert "--kv-cache-dtype" not in deployment_args({})
+    _, resolved = parse_and_resolve(deployment_args({}))
+    assert resolved.kv_cache_dtype == "auto"

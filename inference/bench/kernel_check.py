@@ -7,6 +7,9 @@ block sizes 1..256, batch 1..256, contexts up to 4096; outputs poisoned with NaN
 Part 2 times decode and prefill attention in the Qwen2.5-1.5B and -7B shapes and the
 elementwise ops with ``triton.testing.do_bench`` (median, L2 flushed between calls),
 next to a torch peer, and reports GB/s against the H200's ~4.2 TB/s copy bandwidth.
+FP8 KV caches (``kv_cache_dtype="fp8"``) are checked the same way (against float64 over the
+dequantized cache; the writes bit-exact against the reference quantization) and decode
+attention over them is timed beside bf16's.
 Part 3 (unless --no-sweep) times tiling variants of attention. The summary table is
 printed last; with ``OUT`` set, everything goes to ``$OUT/kernel_check.json``.
 """
@@ -36,6 +39,7 @@ from kernels import (
 )
 from kernels._float64 import attention64, rel_err, rms_norm64, rotary64, silu_and_mul64
 from kernels._triton import attention as triton_attention
+from kernels.kv_cache import FP8_KV_DTYPE, dequantize_kv_ref, quantize_kv_ref, write_kv_cache_ref
 
 PEAK_GBPS = 4200.0
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -58,10 +62,13 @@ def attention_batch(
     block_size: int,
     dtype: torch.dtype,
     min_cache_bytes: int = 0,
+    kv_fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Random inputs; blocks scattered over a shuffled pool (at least min_cache_bytes)."""
+    """Random inputs; blocks scattered over a shuffled pool (at least min_cache_bytes).
+    ``kv_fp8``: the caches in float8_e4m3fn with scales, as the engine writes them."""
     blocks_per_seq = [-(-length // block_size) for length in context_lens]
-    block_bytes = 2 * block_size * num_kv_heads * head_size * torch.finfo(dtype).bits // 8
+    cache_bits = 8 if kv_fp8 else torch.finfo(dtype).bits
+    block_bytes = 2 * block_size * num_kv_heads * head_size * cache_bits // 8
     num_blocks = max(sum(blocks_per_seq), min_cache_bytes // block_bytes) + 1
     pool = torch.randperm(num_blocks, device=DEVICE)
     tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
@@ -71,10 +78,21 @@ def attention_batch(
         used += count
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     cumulative = torch.tensor([0, *query_lens]).cumsum(0)
+    if kv_fp8:
+        scales = {"k_scale": 0.02, "v_scale": 0.01}
+        scales = {name: torch.tensor([value], device=DEVICE) for name, value in scales.items()}
+        caches = {
+            "k_cache": quantize_kv_ref(torch.randn(shape, device=DEVICE) * 4, scales["k_scale"]),
+            "v_cache": quantize_kv_ref(torch.randn(shape, device=DEVICE), scales["v_scale"]),
+        }
+    else:
+        scales = {}
+        caches = {name: torch.randn(shape, device=DEVICE, dtype=dtype)
+                  for name in ("k_cache", "v_cache")}  # fmt: skip
     return {
         "q": torch.randn(sum(query_lens), num_heads, head_size, device=DEVICE, dtype=dtype),
-        "k_cache": torch.randn(shape, device=DEVICE, dtype=dtype),
-        "v_cache": torch.randn(shape, device=DEVICE, dtype=dtype),
+        **caches,
+        **scales,
         "block_tables": tables,
         "seq_lens": torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
         "query_start_loc": cumulative.to(device=DEVICE, dtype=torch.int32),
@@ -104,19 +122,56 @@ def record_check(name: str, err: float, tolerance: float, **info: Any) -> None:
 
 
 def check_attention(
-    kind: str, batch: int, max_context: int, head_size: int, block_size: int, dtype: torch.dtype
-) -> None:
+    kind: str, batch: int, max_context: int, head_size: int, block_size: int, dtype: torch.dtype,
+    kv_fp8: bool = False,
+) -> None:  # fmt: skip
     num_heads, num_kv_heads = SHAPES["1.5B"] if head_size == 128 else (8, 2)
     inputs = attention_batch(
-        *mix(kind, batch, max_context), num_heads, num_kv_heads, head_size, block_size, dtype
-    )
+        *mix(kind, batch, max_context), num_heads, num_kv_heads, head_size, block_size, dtype,
+        kv_fp8=kv_fp8,
+    )  # fmt: skip
     scale = head_size**-0.5
     out = paged_attention(**inputs, scale=scale, out=torch.full_like(inputs["q"], math.nan))
-    err = rel_err(out, attention64(**inputs, scale=scale))
+    # The truth reads the cache as stored: an FP8 cache dequantized exactly.
+    truth_inputs = {key: value for key, value in inputs.items() if not key.endswith("_scale")}
+    for name in ("k_cache", "v_cache") if kv_fp8 else ():
+        truth_inputs[name] = dequantize_kv_ref(inputs[name], inputs[name[0] + "_scale"])
+    err = rel_err(out, attention64(**truth_inputs, scale=scale))
     record_check(
-        "paged_attention", err, TOLERANCE[dtype], kind=kind, batch=batch, ctx=max_context,
-        head=head_size, block=block_size, dtype=str(dtype).removeprefix("torch."),
+        "paged_attention_fp8kv" if kv_fp8 else "paged_attention", err, TOLERANCE[dtype],
+        kind=kind, batch=batch, ctx=max_context, head=head_size, block=block_size,
+        dtype=str(dtype).removeprefix("torch."),
     )  # fmt: skip
+
+
+def check_fp8_cache_writes(tokens: int, block_size: int) -> None:
+    """Both cache writes into FP8 caches: the bytes of the reference quantization."""
+    num_kv_heads, num_blocks = 2, 2 * tokens // block_size + 2
+    shape = (num_blocks, block_size, num_kv_heads, 128)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[::5] = -1
+    key, value = (torch.randn(tokens, num_kv_heads, 128, device=DEVICE,
+                              dtype=torch.bfloat16) * 30 for _ in "kv")  # fmt: skip
+    k_scale, v_scale = (torch.tensor([s], device=DEVICE) for s in (0.05, 0.02))
+    caches = [torch.zeros(shape, device=DEVICE, dtype=FP8_KV_DTYPE) for _ in range(4)]
+    write_kv_cache(key, value, caches[0], caches[1], slots, k_scale, v_scale)
+    write_kv_cache_ref(key, value, caches[2], caches[3], slots, k_scale, v_scale)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))  # fmt: skip
+    record_check("write_kv_cache_fp8", 0.0 if same else math.inf, 0.0, tokens=tokens,
+                 block=block_size)  # fmt: skip
+    q = torch.randn(tokens, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    for cache in caches:
+        cache.zero_()
+    _, out_k = rotary_embedding_with_kv_cache(positions, q, key.clone(), value,
+                                              rope_cache(4096, 128), caches[0], caches[1],
+                                              slots, k_scale, v_scale)  # fmt: skip
+    write_kv_cache_ref(out_k, value, caches[2], caches[3], slots, k_scale, v_scale)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))  # fmt: skip
+    record_check("rotary_with_kv_cache_fp8", 0.0 if same else math.inf, 0.0, tokens=tokens,
+                 block=block_size)  # fmt: skip
 
 
 def check_cuda_graph() -> None:
@@ -260,15 +315,15 @@ def record_timing(
 
 
 def attention_sets(
-    query_len: int, context: int, batch: int, shape: str
+    query_len: int, context: int, batch: int, shape: str, kv_fp8: bool = False
 ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Input sets sharing one KV pool, each reading different blocks; and KV bytes a call."""
     num_heads, num_kv_heads = SHAPES[shape]
-    kv_bytes = 2 * batch * context * num_kv_heads * 128 * 2
+    kv_bytes = 2 * batch * context * num_kv_heads * 128 * (1 if kv_fp8 else 2)
     count = num_sets(kv_bytes)
     base = attention_batch(
         [query_len] * batch, [context] * batch, num_heads, num_kv_heads, 128, 16,
-        torch.bfloat16, min_cache_bytes=count * kv_bytes,
+        torch.bfloat16, min_cache_bytes=count * kv_bytes, kv_fp8=kv_fp8,
     )  # fmt: skip
     pool = base["k_cache"].shape[0]
     used = base["block_tables"].numel()
@@ -300,11 +355,13 @@ def sdpa_peer(query_len: int, context: int, batch: int, shape: str, causal: bool
 
 
 def time_attention(
-    kind: str, shape: str, batch: int, context: int, peer: bool = True, **tiling: int
-) -> float:
-    """Decode (one query a sequence) or prefill (query = context) attention, bf16."""
+    kind: str, shape: str, batch: int, context: int, peer: bool = True, kv_fp8: bool = False,
+    **tiling: int,
+) -> float:  # fmt: skip
+    """Decode (one query a sequence) or prefill (query = context) attention, bf16 queries
+    over a bf16 (or ``kv_fp8``: float8_e4m3fn) cache."""
     query_len = 1 if kind == "decode" else context
-    sets, kv_bytes = attention_sets(query_len, context, batch, shape)
+    sets, kv_bytes = attention_sets(query_len, context, batch, shape, kv_fp8)
     call = triton_attention.paged_attention if tiling else paged_attention
     scale = 128**-0.5
     calls = [
@@ -320,8 +377,8 @@ def time_attention(
         flops = 4 * batch * num_heads * 128 * context * (context + 1) / 2
         info["TFLOPs"] = round(flops / ms / 1e9, 1)
     peer_ms = sdpa_peer(query_len, context, batch, shape, kind == "prefill") if peer else None
-    record_timing(f"{kind}_attention", ms, kv_bytes + qo_bytes, peer_ms, eager_ms(calls[0]),
-                  **info)  # fmt: skip
+    name = f"{kind}_attention" + ("_fp8kv" if kv_fp8 else "")
+    record_timing(name, ms, kv_bytes + qo_bytes, peer_ms, eager_ms(calls[0]), **info)
     return ms
 
 
@@ -408,6 +465,12 @@ def correctness(quick: bool) -> None:
             check_attention(kind, batch, context, 128, 16, dtype)
     check_attention("prefill", 4, 1024, 64, 256, torch.bfloat16)
     check_attention("decode", 256, 1024, 128, 16, torch.float32)
+    for kind, batch, context, block_size in (("decode", 64, 4096, 16), ("decode", 3, 4096, 1),
+                                             ("mixed", 9, 3000, 16), ("prefill", 3, 700, 32)):
+        check_attention(kind, batch, context, 128, block_size, torch.bfloat16, kv_fp8=True)
+    check_attention("mixed", 9, 3000, 128, 16, torch.float32, kv_fp8=True)
+    for tokens, block_size in ((7, 16), (300, 1), (4096, 16)):
+        check_fp8_cache_writes(tokens, block_size)
     check_cuda_graph()
     for dtype in (torch.bfloat16, torch.float32):
         check_elementwise(dtype)
@@ -418,6 +481,8 @@ def timings() -> None:
         for batch in (1, 64, 256):
             for context in (512, 1024, 2048, 4096):
                 time_attention("decode", shape, batch, context)
+                if context in (1024, 2048):  # the FP8 cache beside it (issue 17: 256 x 2k)
+                    time_attention("decode", shape, batch, context, peer=False, kv_fp8=True)
         for seqs in (1, 4, 16):
             time_attention("prefill", shape, seqs, 512)
     for tokens in (1, 256, 4096):

@@ -69,6 +69,7 @@ def run_latency(args: argparse.Namespace) -> int:
             results.append(record("latency", model=args.model,
                                   tensor_parallel_size=llm.engine.config.tensor_parallel_size,
                                   quantization=llm.engine.config.quantization,
+                                  kv_cache_dtype=llm.engine.config.kv_cache_dtype,
                                   **result))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "

@@ -58,6 +58,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         requests_s=round(args.num_prompts / elapsed, 2),
         startup_s=round(startup_s, 1),
         kv_cache_tokens=engine.num_total_blocks * engine.config.block_size,
+        kv_cache_dtype=engine.config.kv_cache_dtype,
         engine="pagoda",
     )
     print(f"pagoda   {args.model}: {args.num_prompts} x {args.input_len}/{args.output_len}: "

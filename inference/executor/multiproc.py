@@ -32,6 +32,7 @@ import torch
 
 from inference.config import ResolvedEngineConfig
 from inference.executor.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
+from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
 from inference.models.config import ModelConfig
 from inference.parallel_state import free_local_port, kv_head_range
 from inference.runner.step_inputs import build_step_inputs
@@ -117,8 +118,8 @@ class MultiprocExecutor:
         """One rank's bytes per block (every rank holds the same number of KV heads)."""
         cfg = self.model_config
         _, heads = kv_head_range(cfg.num_kv_heads, 0, self.world_size)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * heads * cfg.head_dim * elem
+        cache_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
+        return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim, cache_dtype)
 
     def determine_num_blocks(self) -> int:
         return self._call_all(("determine_num_blocks",))[0]

@@ -25,6 +25,7 @@ from torch import nn
 import kernels
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.layers.embedding import vocab_parallel_embedding, vocab_parallel_logits
+from inference.layers.kv_cache import check_kv_scale, kv_scale_kind
 from inference.layers.rotary import build_cos_sin_cache
 from inference.models.config import ModelConfig
 from inference.parallel_state import (
@@ -93,6 +94,10 @@ class DecoderLayer(nn.Module):
             setattr(self, name, _empty(rows, cols, dtype=fp8.FP8_DTYPE if quantized else None))
             setattr(self, name + "_scale",
                     _empty(rows, dtype=torch.float32) if quantized else None)  # fmt: skip
+        # An FP8 KV cache's per-layer scales (read only when the cache is FP8): 1.0 unless
+        # the checkpoint has them (inference/layers/kv_cache.py).
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -147,8 +152,9 @@ class DecoderLayer(nn.Module):
             k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
         k_cache, v_cache = kv_cache
         q, k = kernels.rotary_embedding_with_kv_cache(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping
-        )
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+            self.k_scale, self.v_scale,
+        )  # fmt: skip
         out = kernels.paged_attention(
             q,
             k_cache,
@@ -158,6 +164,8 @@ class DecoderLayer(nn.Module):
             meta.query_start_loc,
             self.scale,
             max_query_len=meta.max_query_len,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         staging = self.parallel.all_reduce_input(num_tokens, self.o_proj.shape[0], out.dtype)
         out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, out=staging,
@@ -224,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         shards = self._shard_table()
         loaded: set[str] = set()
         for name, weight in weights:
+            if self._load_kv_scale(name, weight):
+                continue
             placement = self._map_weight(name, shards)
             if placement is None:
                 continue
@@ -248,6 +258,22 @@ class LlamaForCausalLM(nn.Module):
                 if param is not None:
                     param.data[self.vocab_rows_valid :].zero_()
         self._check_all_loaded(loaded)
+
+    def _load_kv_scale(self, name: str, weight) -> bool:
+        """Copy a KV-cache scale (``layers.N.self_attn.k_scale`` and vLLM's other names)
+        into its layer; False for any other tensor."""
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "self_attn":
+            return False
+        kind = kv_scale_kind(".".join(parts[3:]))
+        if kind is None:
+            return False
+        value = check_kv_scale(name, weight if isinstance(weight, torch.Tensor) else weight.read())
+        layer = self.layers[int(parts[1])]
+        targets = {"k": [layer.k_scale], "v": [layer.v_scale], "kv": [layer.k_scale, layer.v_scale]}
+        for buffer in targets[kind]:
+            buffer.fill_(value)
+        return True
 
     def _shard_table(self) -> dict[str, tuple[tuple[int, int] | None, _Source]]:
         """For each Hugging Face projection (and the vocabulary): where it lands in the

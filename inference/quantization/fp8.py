@@ -30,12 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.layers.kv_cache import kv_scale_kind
 from inference.quantization import Fp8Checkpoint
 from kernels.fp8_linear import FP8_DTYPE, FP8_MAX
 
 # Tensor-name suffixes a quantized checkpoint stores beside a projection's ``weight``.
 _WEIGHT_SCALES = ("weight_scale_inv", "weight_scale")
 # Scales of schemes this engine does not run (static activations, an FP8 KV cache).
+# Static activation scales. KV-cache scales under vLLM's names (``self_attn.k_scale``,
+# ``k_proj.output_scale``, ...) pass through to the model, which loads them for an FP8 KV
+# cache (``inference.layers.kv_cache``).
 _REFUSED_SCALES = ("input_scale", "k_scale", "v_scale", "kv_scale", "output_scale")
 # Smallest weight scale (an all-zero row quantizes to zeros, not NaN).
 _MIN_SCALE = 1e-12
@@ -134,7 +138,7 @@ def with_checkpoint_scales(
         suffix = name.rsplit(".", 1)[-1]
         if suffix in _WEIGHT_SCALES:
             continue
-        if suffix in _REFUSED_SCALES:
+        if suffix in _REFUSED_SCALES and not _is_kv_cache_scale(name):
             raise ValueError(
                 f"checkpoint tensor {name}: static activation or KV-cache scales are not "
                 "supported (only FP8 weights with dynamic activation scales)"
@@ -146,6 +150,12 @@ def with_checkpoint_scales(
             if scale is not None:
                 weight = Fp8CheckpointWeight(weight, scale, scheme.block_size)
         yield name, weight
+
+
+def _is_kv_cache_scale(name: str) -> bool:
+    parts = name.removeprefix("model.").split(".")
+    return (len(parts) >= 4 and parts[0] == "layers" and parts[2] == "self_attn"
+            and kv_scale_kind(".".join(parts[3:])) is not None)  # fmt: skip
 
 
 def is_scale_name(name: str) -> bool:

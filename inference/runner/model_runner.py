@@ -22,6 +22,7 @@ import torch
 
 from inference.config import ResolvedEngineConfig
 from inference.layers.attention_metadata import AttentionMetadata
+from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
@@ -57,6 +58,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
+        # The model's dtype, or float8_e4m3fn (kv_cache_dtype="fp8": half the bytes).
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.block_size = config.block_size
         # Tensor parallelism: this rank's share of the KV heads (all of them on one GPU).
         self.parallel = parallel
@@ -80,8 +83,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
+        return kv_block_bytes(cfg.num_layers, self.block_size, self.num_kv_heads, cfg.head_dim,
+                              self.kv_cache_dtype)  # fmt: skip
 
     def determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -149,8 +152,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -205,7 +208,8 @@ class ModelRunner:
         ready: the kernel is specialised on its tiling and on how many segments the KV
         range is split into, and a variant first met by a request would stall every
         running sequence for the length of a Triton compile (about a second). The kernel
-        module lists its own variants (``tilings``); nothing to do without Triton."""
+        module lists its own variants (``tilings``); nothing to do without Triton. An FP8
+        cache is its own variant of each, compiled here with the model's query dtype."""
         k_cache, v_cache = self.kv_caches[0]
         ops = kernel_for("attention", k_cache)
         if ops is None:
@@ -213,7 +217,8 @@ class ModelRunner:
         layer = self.model.layers[0]
         for decode in (False, True):
             ops.warm_up(k_cache, v_cache, layer.num_heads, layer.scale,
-                        self.config.max_num_batched_tokens, decode)  # fmt: skip
+                        self.config.max_num_batched_tokens, decode, self.dtype,
+                        layer.k_scale, layer.v_scale)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

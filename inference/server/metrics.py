@@ -181,7 +181,7 @@ class ServerMetrics:
             "KV-cache settings, as labels (value is always 1).",
             [
                 "model_name", "block_size", "gpu_memory_utilization",
-                "num_gpu_blocks", "enable_prefix_caching",
+                "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "num_gpu_tokens",
             ],
             registry=self.registry,
         )  # fmt: skip
@@ -230,6 +230,10 @@ class ServerMetrics:
             gpu_memory_utilization=str(config.gpu_memory_utilization),
             num_gpu_blocks=num_blocks,
             enable_prefix_caching=str(config.enable_prefix_caching),
+            # The resolved dtype (the model's, or float8_e4m3fn) and the tokens it holds.
+            cache_dtype=info.kv_cache_dtype,
+            num_gpu_tokens="" if info.num_total_blocks is None
+            else str(info.num_total_blocks * config.block_size),
         ).set(1)
         # The warm-up request is not traffic: counters start from the engine's totals now.
         self._last_totals = {field: getattr(stats, field) for field in _TOTALS}

@@ -15,6 +15,12 @@ long context) the KV range is split into ``NUM_SEGMENTS`` segments (flash-decodi
 each segment writes an unnormalised partial result with its running max and sum, and a
 second kernel merges them. The split count depends only on shapes, so a launch is the
 same for every step of a CUDA graph.
+
+An FP8 cache (``KV_FP8``) is loaded as e4m3 (half the bytes of bf16), widened to the
+query's dtype (exact: every e4m3 value is a bf16/fp16/fp32 value) for the same ``tl.dot``
+as a bf16 cache; the key scale is folded into the softmax scale and the value scale into
+the result (each is one multiply per row instead of one per element). Both scales are
+read from device memory, so a CUDA graph replays with whatever they hold.
 """
 
 from dataclasses import dataclass, replace
@@ -24,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels._backend import num_sms
+from kernels._triton.kv_cache import scale_args
 
 # Partial results of the split path are float32 [T, Hq, segments, D]; past this size the
 # split costs more traffic than the occupancy it buys.
@@ -57,7 +64,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 # compile a variant for 1, for multiples of 16 and for the rest, mid-serving).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, num_seqs,
@@ -68,6 +75,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,6 +134,8 @@ def _paged_attention_kernel(
         kv_lo = segment * tiles_per_segment * TILE_N
         kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_segment * TILE_N)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -149,6 +159,8 @@ def _paged_attention_kernel(
             mask=key_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(tl.float32).to(q.dtype)
         if FP32_DOT:
             scores = tl.dot(q, k, input_precision="ieee")
         else:
@@ -169,12 +181,16 @@ def _paged_attention_kernel(
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(tl.float32).to(q.dtype)
         if FP32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # the merge of split segments is linear in acc
     if NUM_SEGMENTS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         result = acc / l_safe[:, None]
@@ -316,23 +332,26 @@ def tilings(
 
 def warm_up(
     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-    max_num_tokens: int, decode: bool,
+    max_num_tokens: int, decode: bool, q_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> list[Tiling]:  # fmt: skip
     """Compile (by launching once) every variant ``tilings`` lists, on a one-sequence step
-    that reads block 0 only and writes a scratch output; returns the tilings run."""
+    that reads block 0 only and writes a scratch output; returns the tilings run.
+    ``q_dtype``: the queries' (the model's) dtype, needed when the cache is FP8 (default:
+    the cache's dtype); the scales as the model passes them."""
     _, block_size, num_kv_heads, head_size = k_cache.shape
     found = tilings(num_heads, num_kv_heads, head_size, max_num_tokens, k_cache.device, decode)
     for tiling in found:
         # The large-tile variant is picked by token count; any count gives the same code.
         num_tokens = 1 if tiling.block_q == 1 else 2
-        q = torch.zeros(num_tokens, num_heads, head_size, dtype=k_cache.dtype,
+        q = torch.zeros(num_tokens, num_heads, head_size, dtype=q_dtype or k_cache.dtype,
                         device=k_cache.device)  # fmt: skip
         num_blocks = -(-num_tokens // block_size)
         block_tables = torch.zeros((1, num_blocks), dtype=torch.int32, device=k_cache.device)
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=k_cache.device)
         query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32, device=k_cache.device)
         _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                torch.empty_like(q), tiling)  # fmt: skip
+                torch.empty_like(q), k_scale, v_scale, tiling)  # fmt: skip
     return found
 
 
@@ -346,6 +365,8 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -371,13 +392,15 @@ def paged_attention(
         block_m=block_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
         num_stages=num_stages,
     )
-    _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, tiling)
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, k_scale,
+            v_scale, tiling)  # fmt: skip
     return out
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            tiling: Tiling) -> None:  # fmt: skip
+            k_scale, v_scale, tiling: Tiling) -> None:  # fmt: skip
     num_tokens, num_heads, head_size = q.shape
+    kv_fp8, k_scale, v_scale = scale_args(k_cache, v_cache, k_scale, v_scale)
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
@@ -398,7 +421,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
 
     log2e = 1.4426950408889634
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, k_scale, v_scale,
         part_acc, part_max, part_sum,
         block_tables, seq_lens, query_start_loc,
         scale * log2e, num_seqs,
@@ -410,7 +433,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE_N=tiling.tile_n,
         BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
-        FP32_DOT=q.dtype == torch.float32,
+        FP32_DOT=q.dtype == torch.float32, KV_FP8=kv_fp8,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
     if num_segments > 1:

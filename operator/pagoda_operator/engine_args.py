@@ -67,6 +67,10 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     if engine.get("toolCallParser") is not None:
         # The parser only reads the output for tool_choice "auto": naming it turns that on.
         args += ["--enable-auto-tool-choice", "--tool-call-parser", engine["toolCallParser"]]
+    # Only when not the default: Deployments made before the field existed keep their pod
+    # template (no rollout on an operator upgrade).
+    if engine.get("kvCacheDtype", "auto") != "auto":
+        args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).

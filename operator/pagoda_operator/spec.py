@@ -20,6 +20,7 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 # `pagoda serve --tool-call-parser` choices (the contract test keeps them the server's).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+KV_CACHE_DTYPES = ("auto", "fp8")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -38,6 +39,7 @@ MANAGED_FLAGS = (
     "--block-size",
     "--max-model-len",
     "--dtype",
+    "--kv-cache-dtype",
     "--device",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
@@ -62,6 +64,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
         "gpuMemoryUtilization": 0.9,
         "blockSize": 16,
         "dtype": "auto",
+        "kvCacheDtype": "auto",
         "device": "auto",
         "enablePrefixCaching": True,
         "extraArgs": [],
@@ -248,6 +251,8 @@ def _engine_errors(engine: dict[str, Any]) -> list[str]:
         )
     if engine.get("dtype") not in DTYPES:
         errors.append(f"spec.engine.dtype: must be one of {', '.join(DTYPES)}")
+    if engine.get("kvCacheDtype", "auto") not in KV_CACHE_DTYPES:
+        errors.append(f"spec.engine.kvCacheDtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
     if engine.get("device") not in DEVICES:
         errors.append(f"spec.engine.device: must be one of {', '.join(DEVICES)}")
     parser = engine.get("toolCallParser")

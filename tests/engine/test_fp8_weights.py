@@ -106,3 +106,31 @@ def test_unsupported_checkpoints_fail_at_load(source, tmp_path) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="static activation or KV-cache scales"):
         LLM(str(static), **ENGINE)
+
+
+def test_fp8_checkpoint_with_kv_cache_scales_loads_them(source, tmp_path) -> None:
+    """An FP8 checkpoint that also carries KV-cache scales (vLLM's names) loads, and an FP8
+    KV cache uses them; the static activation scale beside them is still refused."""
+    folder = tmp_path / "kv-scales"
+    write_fp8_checkpoint(source, folder, "hf-block")
+    from safetensors.torch import save_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.01)
+    tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor(0.03)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    llm = LLM(str(folder), **ENGINE, kv_cache_dtype="fp8")
+    layers = llm.engine.runner.model.layers
+    assert layers[0].k_scale.item() == pytest.approx(0.05)
+    assert layers[0].v_scale.item() == pytest.approx(0.01)
+    assert layers[1].k_scale.item() == pytest.approx(0.03)
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    llm.shutdown()
+    tensors["model.layers.0.self_attn.o_proj.input_scale"] = torch.ones(1)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="static activation or KV-cache scales"):
+        LLM(str(folder), **ENGINE, kv_cache_dtype="fp8")

@@ -49,19 +49,21 @@ def test_tilings_cover_every_choice(monkeypatch, sms):
                                   budget, chosen)
 
 
-def test_engine_warm_up_runs_the_real_kernel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_warm_up_runs_the_real_kernel(tmp_path, monkeypatch, kv_cache_dtype):
     """The engine's warm-up launches every listed variant through the Triton kernel itself
-    (its interpreter on CPU)."""
+    (its interpreter on CPU); an FP8 cache's variants with the model's query dtype."""
     from kernels._triton import attention
 
     build_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), max_model_len=256, max_num_batched_tokens=4096,
-              num_kv_blocks=300, block_size=16)
+              num_kv_blocks=300, block_size=16, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     launched = []
     real_launch = attention._launch
 
     def record(*args):
+        assert args[0].dtype == runner.dtype  # the queries: never the cache's FP8
         launched.append(args[-1])
         return real_launch(*args)
 

@@ -66,5 +66,8 @@ def test_request_histograms_count_finished_and_aborted_requests(tiny_server):
     assert bucket >= 2  # 1-2-5 buckets: both prompts have 5 tokens
     info = [k for k in after if k[0] == "vllm:cache_config_info"]
     assert info and dict(info[0][1])["num_gpu_blocks"] == "64"
+    # The resolved cache dtype (the model's on this float32 CPU engine) and its tokens.
+    assert dict(info[0][1])["cache_dtype"] == "float32"
+    assert int(dict(info[0][1])["num_gpu_tokens"]) == 64 * 16
     assert any(k[0] == "process_resident_memory_bytes" for k in after)
     assert any(k[0] == "pagoda_engine_process_resident_memory_bytes" for k in after)
