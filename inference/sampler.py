@@ -25,6 +25,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+import kernels
 from inference.sampling_params import SamplingParams
 
 # Columns of the per-row scalar table built once per step (one host-to-device copy).
@@ -154,34 +155,19 @@ def _to_device(data: object, dtype: torch.dtype, device: torch.device) -> torch.
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def unpack_bits(words: torch.Tensor) -> torch.Tensor:
-    """[R, W] int32 words -> [R, 32 W] booleans, bit t % 32 of word t // 32 at column t."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-
-
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]
 ) -> torch.Tensor:
-    """``logits`` with -inf wherever row ``rows[i]``'s bitmask ``bitmask[i]`` has a 0 bit;
-    other rows untouched. ``rows`` ascend; tokens past the bitmask's width are forbidden."""
-    vocab_size = logits.shape[-1]
+    """In place: -inf wherever row ``rows[i]``'s bitmask ``bitmask[i]`` has a 0 bit; other
+    rows untouched. ``rows`` ascend; tokens past the bitmask's width are forbidden. Only
+    the packed words cross to the device; one kernel masks them (``kernels.token_bitmask``).
+    Returns ``logits``."""
     device = logits.device
-    if device.type == "cpu":
-        # One pass over the bits (bit order within the little-endian words is token order).
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits.view(np.bool_))
-    else:
-        # Only the packed words cross to the device (32 times less than a boolean mask).
-        allowed = unpack_bits(_to_device(torch.from_numpy(bitmask), torch.int32, device))
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    forbidden = ~allowed[:, :vocab_size]
-    if len(rows) == logits.shape[0]:
-        return logits.masked_fill(forbidden, float("-inf"))
-    index = _to_device(torch.tensor(rows, dtype=torch.int64), torch.int64, device)
-    masked = logits.index_select(0, index).masked_fill(forbidden, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    words = _to_device(torch.from_numpy(bitmask), torch.int32, device)
+    index = None
+    if len(rows) != logits.shape[0]:
+        index = _to_device(torch.tensor(rows, dtype=torch.int64), torch.int64, device)
+    return kernels.apply_token_bitmask(logits, words, index)
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -507,7 +493,8 @@ class SampledTokens:
 
 
 class Sampler:
-    """Picks one token per row of a [B, V] float32 logits tensor (CPU or CUDA)."""
+    """Picks one token per row of a [B, V] float32 logits tensor (CPU or CUDA). The grammar
+    mask of constrained rows is applied to ``logits`` in place."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return self.sample(logits, metadata).to_host()

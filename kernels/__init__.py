@@ -22,8 +22,11 @@ from kernels.rotary_kv_cache import (
     rotary_embedding_with_kv_cache,
     rotary_embedding_with_kv_cache_ref,
 )
+from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 __all__ = [
+    "apply_token_bitmask",
+    "apply_token_bitmask_ref",
     "fp8_linear",
     "fp8_linear_ref",
     "fused_add_rms_norm",

@@ -75,6 +75,23 @@ def fp8_linear64(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def token_bitmask64(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
+) -> torch.Tensor:
+    """A copy of ``logits`` in float64 with -inf where row ``rows[i]``'s token t has bit
+    t % 32 of word t // 32 of ``bitmask[i]`` clear (or lies past the words), one token at
+    a time."""
+    out = logits.double().cpu().clone()
+    words = bitmask.cpu().tolist()
+    for i, row_words in enumerate(words):
+        row = i if rows is None else rows[i]
+        for token in range(out.shape[1]):
+            word = row_words[token // 32] if token // 32 < len(row_words) else 0
+            if not (word >> (token % 32)) & 1:  # Python ints: the sign bit is bit 31 too
+                out[row, token] = float("-inf")
+    return out
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in float64; inf if ``actual`` has a NaN/inf."""
     actual64, expected64 = actual.double(), expected.double()
