@@ -21,6 +21,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from inference.block_manager import BlockManager, prefix_cache_root
@@ -44,13 +45,14 @@ from inference.sampler import (
     PromptLogprobs,
     PromptLogprobsRequest,
     RowLogprobs,
+    SamplerOutput,
     SamplingMetadata,
     has_penalties,
 )
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus
-from inference.structured_output import GrammarCompiler, grammar_ended
+from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +65,23 @@ class _LaunchedStep:
     handle: PendingStep
     seqs: list[Sequence]  # the sampled sequences, in sample-row order
     positions: list[int]  # where each one's placeholder sits in its token_ids
-    # Penalties read the tokens, grammars must consume them before the next mask: the
-    # next step must see real ids.
+    # Penalties read the tokens: the next step must see real ids.
     needs_sync: bool
     # Sequences whose prompt logprobs the step computes, with what was asked of the runner.
     prompt_logprobs: list[tuple[Sequence, PromptLogprobsRequest]]
+    has_grammar: bool  # some sampled sequence is constrained
+    # Sample row -> whether its grammar ended, once the matchers have consumed the step's
+    # tokens (``LLMEngine._advance_grammars``: from the next step's mask fill or from
+    # ``_complete``, whichever comes first).
+    grammar_ended: dict[int, bool] | None = None
+    _output: SamplerOutput | None = None
+    _read: bool = False
+
+    def result(self) -> SamplerOutput | None:
+        """The step's sampled tokens (waits for the device once)."""
+        if not self._read:
+            self._output, self._read = self.handle.result(), True
+        return self._output
 
 
 @dataclass
@@ -355,10 +369,13 @@ class LLMEngine:
             sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts, self._unscored)
         constrained = [row for row, s in enumerate(sampled_seqs) if s.grammar is not None]
         if constrained:
+            # Filled once this step's forward pass is queued (``SamplingMetadata``), after
+            # the step in flight's tokens have advanced the matchers.
             sampling.bitmask_rows = constrained
             sampling.fill_token_bitmask = partial(
-                self.grammars.fill_bitmask, [sampled_seqs[row].grammar for row in constrained]
-            )
+                self._fill_bitmask, self._in_flight,
+                [sampled_seqs[row].grammar for row in constrained],
+            )  # fmt: skip
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         for seq, n in zip(seqs, counts):
@@ -372,15 +389,41 @@ class LLMEngine:
         for row, seq in enumerate(sampled_seqs):
             positions.append(seq.num_tokens)
             seq.append_placeholder(-1 - row)
-        needs_sync = bool(constrained) or any(has_penalties(s.params) for s in sampled_seqs)
-        return _LaunchedStep(handle, sampled_seqs, positions, needs_sync, prompt_logprobs)
+        needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
+        return _LaunchedStep(
+            handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained)
+        )
+
+    def _fill_bitmask(self, in_flight: _LaunchedStep | None, matchers: list) -> np.ndarray:
+        if in_flight is not None:
+            self._advance_grammars(in_flight)
+        return self.grammars.fill_bitmask(matchers)
+
+    def _advance_grammars(self, step: _LaunchedStep) -> None:
+        """Feed a step's sampled tokens to its constrained sequences' matchers, once."""
+        if step.grammar_ended is not None or not step.has_grammar:
+            return
+        step.grammar_ended = {}
+        sampled = step.result()
+        if sampled is None:
+            return
+        rows = [
+            i for i, seq in enumerate(step.seqs) if seq.grammar is not None and not seq.is_finished
+        ]
+        if rows:
+            ended = self.grammars.advance(
+                [step.seqs[i].grammar for i in rows], [sampled.token_ids[i] for i in rows]
+            )
+            step.grammar_ended = dict(zip(rows, ended))
 
     def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
         """Put a launched step's sampled tokens in place of their placeholders, then check
         each sequence's stop conditions and emit outputs."""
-        sampled = step.handle.result()
+        sampled = step.result()
         if sampled is None:
             return
+        self._advance_grammars(step)
+        grammar_ended = step.grammar_ended or {}
         for (seq, asked), result in zip(step.prompt_logprobs, sampled.prompt_logprobs, strict=True):
             if not seq.is_finished:  # not aborted meanwhile
                 seq.prompt_logprobs.extend(self._prompt_logprob_dicts(asked.target_ids, result))
@@ -393,7 +436,9 @@ class LLMEngine:
             token_id = sampled.token_ids[i]
             seq.resolve_placeholder(position, token_id)
             self.block_manager.cache_full_blocks(seq)
-            self._process_token(request, seq, token_id, sampled.logprobs[i], now)
+            self._process_token(
+                request, seq, token_id, sampled.logprobs[i], now, grammar_ended.get(i, False)
+            )
             touched[request.request_id] = request
         for request in touched.values():
             finished = request.finished
@@ -431,6 +476,7 @@ class LLMEngine:
         token_id: int,
         row_logprobs: RowLogprobs | None,
         now: float,
+        grammar_ended: bool = False,
     ) -> None:
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -451,7 +497,7 @@ class LLMEngine:
         if detok is not None and (not stop_token or p.include_stop_str_in_output):
             num_new_chars = len(detok.add(token_id))
         finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
-        if seq.grammar is not None and grammar_ended(seq.grammar, token_id) and finish is None:
+        if grammar_ended and finish is None:
             finish, reason = "stop", None
         if finish is not None:
             seq.finish_reason, seq.stop_reason = finish, reason

@@ -18,9 +18,13 @@ Off the engine's critical path:
     with the GIL released (``fill_bitmask``), after the step's forward pass has been queued
     on the GPU, so on a GPU the fill overlaps the forward pass.
 
-A sequence's matcher has consumed exactly its known output tokens. Constrained rows make
-their step synchronous (like penalties): the mask for step n+1 needs step n's token, so it
-is never left pending on the device. Preemption keeps a sequence's tokens, so its matcher
+Constrained rows keep async scheduling: the mask for step n+1 needs step n's tokens, but
+the forward pass of step n+1 does not. So step n+1 is queued first (its inputs hold step
+n's tokens as placeholders on the device), and only then does its sampler, through the
+deferred fill, wait for step n's tokens, advance the matchers by them (``advance``, once
+per step, in parallel) and fill the mask, while the device runs the forward pass; step
+n's stop checks then run while the device samples. A matcher has consumed exactly its
+sequence's resolved output tokens. Preemption keeps a sequence's tokens, so its matcher
 stays valid through recomputation.
 """
 
@@ -86,16 +90,6 @@ _NAMES = {
     "json": "JSON schema", "json_object": "JSON object", "regex": "regex",
     "choice": "choice", "grammar": "grammar",
 }  # fmt: skip
-
-
-def grammar_ended(matcher: Any, token_id: int) -> bool:
-    """Advance a sequence's matcher by its new token; True once the grammar admits no more
-    tokens (the output is complete)."""
-    if not matcher.consume_token(token_id):
-        # Only a sampler bug could pick a masked token; never return unchecked output.
-        logger.error("token %d rejected by the grammar: %s", token_id, matcher.get_error())
-        return True
-    return matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -184,14 +178,37 @@ class GrammarCompiler:
         if len(matchers) == 1:
             llg_numpy.fill_next_token_bitmask(matchers[0], bitmask, 0)
             return bitmask
+        llg_numpy.fill_next_token_bitmask_par(
+            self._llg_executor(), [(m, row) for row, m in enumerate(matchers)], bitmask
+        )
+        return bitmask
+
+    def advance(self, matchers: SequenceABC[Any], token_ids: SequenceABC[int]) -> list[bool]:
+        """Advance each sequence's matcher by its new token (one llguidance call for the
+        batch, in parallel, without the GIL); per matcher, True once the grammar admits no
+        more tokens (the output is complete)."""
+        import llguidance.numpy as llg_numpy
+
+        if len(matchers) == 1:
+            accepted = [matchers[0].consume_token(token_ids[0])]
+        else:
+            accepted = llg_numpy.consume_token_par(
+                self._llg_executor(), list(zip(matchers, token_ids))
+            )
+        ended = []
+        for matcher, token_id, ok in zip(matchers, token_ids, accepted):
+            if not ok:
+                # Only a sampler bug could pick a masked token; never return unchecked output.
+                logger.error("token %d rejected by the grammar: %s", token_id, matcher.get_error())
+            ended.append(not ok or matcher.is_stopped())
+        return ended
+
+    def _llg_executor(self) -> Any:
         if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
-        llg_numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, row) for row, m in enumerate(matchers)], bitmask
-        )
-        return bitmask
+        return self._executor
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
