@@ -108,6 +108,9 @@ class GrammarCompiler:
         self._sources: OrderedDict[tuple, str] = OrderedDict()  # checked grammar texts
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # matcher templates
         self._executor: Any = None  # llguidance's thread pool for batched mask fills
+        # Its threads (None: llguidance's default, 80% of the CPUs up to 32); set before
+        # the first fill.
+        self.fill_threads: int | None = None
 
     def check(self, spec: StructuredOutputsParams) -> str:
         """Validate ``spec`` (ValueError if invalid); returns its grammar text. A
@@ -207,7 +210,7 @@ class GrammarCompiler:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(self.fill_threads)
         return self._executor
 
     def close(self) -> None:

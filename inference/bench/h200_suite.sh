@@ -17,9 +17,13 @@ fi
 if [[ $PART == all || $PART == structured ]]; then
   # llguidance travels as a wheel (.whl/, see the device notes); a real tokenizer beside it
   # in .whl/smollm2-tokenizer when there is one.
+  if ! python3 -c "import llguidance" 2>/dev/null && ls .whl/llguidance-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site-llg .whl/llguidance-*.whl && export PYTHONPATH=/tmp/site-llg${PYTHONPATH:+:$PYTHONPATH}
+  fi
   tok=(); [[ -d .whl/smollm2-tokenizer ]] && tok=(--tokenizer .whl/smollm2-tokenizer)
   $B.structured_check --model qwen2.5-1.5b "${tok[@]}" --out "$OUT/structured_check_h200.json" \
-      2>&1 | tail -5
+      2>&1 | tail -12
 fi
 if [[ $PART == all || $PART == bench ]]; then
   $B.throughput --model qwen2.5-1.5b --num-prompts 1024 --input-len 512 --output-len 128 \
