@@ -1,7 +1,7 @@
 """pagoda's inference engine: paged KV cache, continuous batching, OpenAI-compatible API."""
 
 from inference.outputs import CompletionOutput, Logprob, RequestOutput
-from inference.sampling_params import SamplingParams, StructuredOutputsParams
+from inference.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -14,6 +14,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
-    "StructuredOutputsParams",
+    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "RequestOutputKind",
+    "SamplingParams", "StructuredOutputsParams",
 ]

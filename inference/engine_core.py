@@ -12,8 +12,9 @@ The loop: take every pending command without blocking while there is work (block
 heartbeat timeout, when idle), ``step()``, and send ONE message per step carrying every
 request's *new* output (token ids, text, logprobs, finish reason: deltas, so pickling stays
 proportional to what changed), the engine stats and the per-request timings the metrics
-need. Text is held back by the longest stop string minus one until a request finishes, so
-the text a client has been sent is never cut back by a stop string found later.
+need. The engine shapes those deltas itself: every request is added with
+``RequestOutputKind.DELTA`` (``inference/output_processor.py``, which also holds back text
+a stop string could still claim).
 
 The messages both ways are the dataclasses of ``inference/engine_messages.py``; what the
 loop needs of the engine is ``CoreEngine`` (``LLMEngine`` is the one in production).
@@ -53,13 +54,13 @@ from inference.engine_messages import (
     StepOutputs,
     StepTimings,
 )
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from inference.models.config import ModelConfig
-    from inference.outputs import CompletionOutput, RequestOutput
+    from inference.outputs import RequestOutput
     from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,6 @@ class CoreEngine(Protocol):
     startup_phases: dict[str, float]
     grammars: GrammarCompiler
     computed_tokens_total: int  # tokens run through the model so far
-    delta_outputs: bool
 
     def add_request(
         self,
@@ -138,8 +138,7 @@ def _add_finished(
         timings.inference.append(max(0.0, (last_token or now) - scheduled))
     timings.prompt_tokens.append(len(output.prompt_token_ids))
     timings.generation_tokens.append(request.num_generated)
-    reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-    _count(timings.finished, reasons[0] if reasons else "abort")
+    _count(timings.finished, request.finish_reason or "abort")
 
 
 def default_engine_factory(config: EngineConfig) -> CoreEngine:
@@ -157,21 +156,15 @@ class _StartError(Exception):
 
 
 class _CoreRequest:
-    """What has been sent of one request, and its latency bookkeeping."""
+    """One request's latency bookkeeping."""
 
-    __slots__ = ("arrival", "holdback", "sent_chars", "done", "last_token_time", "num_generated")
+    __slots__ = ("arrival", "last_token_time", "num_generated", "finish_reason")
 
-    def __init__(self, arrival: float, params: SamplingParams) -> None:
+    def __init__(self, arrival: float) -> None:
         self.arrival = arrival
-        stops = params.stop or []
-        # A stop string may be arriving a token at a time: its first characters must not
-        # reach the client before the engine cuts them off.
-        self.holdback = (
-            max(len(s) for s in stops) - 1 if stops and not params.include_stop_str_in_output else 0
-        )
-        self.sent_chars = [0] * params.n
-        self.done = [False] * params.n
         self.last_token_time: float | None = None
+        # The request's finish reason for the metrics: its first completion's.
+        self.finish_reason: str | None = None
         self.num_generated = 0  # tokens of all n completions
 
 
@@ -241,7 +234,6 @@ class EngineCore:
         try:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
-            engine.delta_outputs = True  # each step's outputs: only what is new
             engine.grammars.prepare()  # structured outputs' tokenizer view, in the background
             # What exists now (model, tokenizer, caches) lives for the whole process: keep it
             # out of the cyclic collector, whose full passes would otherwise stall steps.
@@ -333,14 +325,18 @@ class EngineCore:
         if isinstance(command, AddRequest):
             request_id = command.request_id
             self.num_adds += 1
+            # Each step sends what is new (the server accumulates), whatever kind was asked;
+            # the params are this process's own copy, unpickled from the command.
+            params = command.params
+            params.output_kind = RequestOutputKind.DELTA
             try:
                 engine.add_request(
-                    request_id, command.prompt, command.params, arrival_time=command.arrival_time
+                    request_id, command.prompt, params, arrival_time=command.arrival_time
                 )
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                 self._send([AddRejected(request_id, type(exc).__name__, str(exc))])
                 return
-            self.requests[request_id] = _CoreRequest(command.arrival_time, command.params)
+            self.requests[request_id] = _CoreRequest(command.arrival_time)
         elif isinstance(command, AbortRequests):
             # The engine hands each aborted request back as finished ("abort") with the
             # next step: its latencies are counted then, like every other request's.
@@ -361,13 +357,18 @@ class EngineCore:
             request = requests.get(output.request_id)
             if request is None:
                 continue  # aborted, or the warm-up request
-            completions: list[CompletionDelta] = []
+            completions: list[CompletionDelta] = [
+                (
+                    c.index, c.token_ids, c.text, c.logprobs, c.cumulative_logprob,
+                    c.finish_reason, c.stop_reason,
+                )  # fmt: skip
+                for c in output.outputs
+            ]
             num_new = 0
             for completion in output.outputs:
-                delta = _completion_delta(request, completion)
-                if delta is not None:
-                    completions.append(delta)
-                    num_new += len(delta[1])
+                num_new += len(completion.token_ids)
+                if completion.index == 0 and completion.finish_reason is not None:
+                    request.finish_reason = completion.finish_reason
             if num_new:
                 request.num_generated += num_new
                 if request.last_token_time is None:
@@ -400,34 +401,6 @@ class EngineCore:
             self.outputs.send([Dead(reason)])
         except (OSError, EOFError):
             pass
-
-
-def _completion_delta(
-    request: _CoreRequest, completion: CompletionOutput
-) -> CompletionDelta | None:
-    """What to send of one completion's delta output (new token ids and logprobs; the
-    text is cumulative and is cut here, holding back a possible stop string's start)."""
-    index = completion.index
-    if request.done[index]:
-        return None
-    new_ids = completion.token_ids
-    text = completion.text
-    finish_reason = completion.finish_reason
-    sent_chars = request.sent_chars[index]
-    end = len(text)
-    if finish_reason is None and request.holdback:
-        end -= request.holdback
-    new_text = text[sent_chars:end] if end > sent_chars else ""
-    if not new_ids and not new_text and finish_reason is None:
-        return None
-    if end > sent_chars:
-        request.sent_chars[index] = end
-    if finish_reason is not None:
-        request.done[index] = True
-    return (
-        index, new_ids, new_text, completion.logprobs, completion.cumulative_logprob,
-        finish_reason, completion.stop_reason,
-    )  # fmt: skip
 
 
 def _count(counts: dict[str, int], key: str) -> None:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from inference.config import EngineConfig
 from inference.llm_engine import LLMEngine
 from inference.outputs import RequestOutput
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]
 
@@ -27,7 +27,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model or "default", **engine_args))
-        self.engine.emit_unfinished_outputs = False  # generate() returns finished outputs only
         self._request_counter = 0
 
     def shutdown(self) -> None:
@@ -105,6 +104,10 @@ class LLM:
                 request_id = f"offline-{self._request_counter}"
                 self._request_counter += 1
                 try:
+                    # generate() returns finished outputs only; the caller's params stay
+                    # as they are.
+                    p = (p or SamplingParams()).clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                     self.engine.add_request(request_id, prompt, p)
                 except ValueError as err:
                     raise ValueError(f"prompt {len(request_ids)}: {err}") from None

@@ -4,9 +4,12 @@ A request's life, top to bottom:
   ``add_request``  validates and tokenizes, creates ``n`` sequences, queues them;
   ``step``         the scheduler picks this step's tokens (``Scheduler.schedule``), the model
                    runner computes them and samples for sequences whose tokens are all
-                   computed (``ModelRunner.launch``), then each new token is appended,
-                   detokenized and checked against the stop conditions (``_process_token``);
-                   finished sequences give their KV blocks back (``Scheduler.finish``);
+                   computed (``ModelRunner.launch``), and the scheduler counts them as
+                   computed (``Scheduler.on_step_launched``); once the sampled ids are on
+                   the host the scheduler puts them in place (``Scheduler.on_step_finished``),
+                   the output processor detokenizes them, checks the stop conditions and
+                   shapes the outputs (``OutputProcessor``), and sequences that stopped give
+                   their KV blocks back (``Scheduler.finish``);
                    a structured-output request first waits here, outside the scheduler,
                    until its grammar matcher is built (``inference.structured_output``);
   ``abort_request`` frees a request's blocks at any point.
@@ -26,7 +29,6 @@ import torch
 
 from inference.block_manager import BlockManager, prefix_cache_root
 from inference.config import EngineConfig
-from inference.detokenizer import IncrementalDetokenizer
 from inference.engine_messages import EngineStats
 from inference.engine_setup import (
     check_capacity,
@@ -40,18 +42,17 @@ from inference.executor.interface import ModelExecutor, PendingStep
 from inference.layers.kv_cache import kv_cache_torch_dtype
 from inference.model_files import load_tokenizer, resolve_model
 from inference.models.config import ModelConfig
-from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from inference.output_processor import OutputProcessor, RequestState
+from inference.outputs import RequestOutput
 from inference.sampler import (
-    PromptLogprobs,
     PromptLogprobsRequest,
-    RowLogprobs,
     SamplerOutput,
     SamplingMetadata,
     has_penalties,
 )
 from inference.sampling_params import SamplingParams
-from inference.scheduler import Scheduler
-from inference.sequence import Sequence, SequenceStatus
+from inference.scheduler import ScheduledBatch, Scheduler
+from inference.sequence import Sequence
 from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -82,26 +83,6 @@ class _LaunchedStep:
         if not self._read:
             self._output, self._read = self.handle.result(), True
         return self._output
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
-    arrival_time: float
-    prompt_logprobs_sent: bool = False  # delta outputs carry them once
-
-    @property
-    def finished(self) -> bool:
-        # A loop, not all(genexpr): this runs for every request every step.
-        for seq in self.seqs:
-            if seq.status is not SequenceStatus.FINISHED:
-                return False
-        return True
 
 
 class LLMEngine:
@@ -141,27 +122,22 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.requests: dict[str, _Request] = {}
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, config.max_model_len
+        )
+        self.requests: dict[str, RequestState] = {}
         # Structured outputs: matchers are built off the step loop; requests wait here
         # until theirs is ready.
         self.grammars = GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
-        self._awaiting_grammar: list[tuple[_Request, Future]] = []
+        self._awaiting_grammar: list[tuple[RequestState, Future]] = []
         # Async scheduling (on by default): step n+1 is launched before step n's tokens
         # are read back. Off, each step completes before the next is scheduled.
         self.async_scheduling = config.async_scheduling
         self._in_flight: _LaunchedStep | None = None
         self._pending_outputs: list[RequestOutput] = []
-        # Streaming callers want every step's progress; batch callers only final outputs.
-        self.emit_unfinished_outputs = True
-        # Delta outputs: each output carries only the token ids and logprobs produced since
-        # the request's previous output (text stays cumulative), so a long stream does not
-        # copy its whole history every step. The engine core (the server's engine) sets it.
-        self.delta_outputs = False
         self._next_seq_id = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
         # prompt-logprob work only while there are any.
@@ -236,7 +212,7 @@ class LLMEngine:
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
 
         arrival_time = time.time() if arrival_time is None else arrival_time
-        seqs, detoks = [], []
+        seqs = []
         for index in range(params.n):
             generator = None
             if params.seed is not None:
@@ -250,12 +226,9 @@ class LLMEngine:
             )
             self._next_seq_id += 1
             seqs.append(seq)
-            detoks.append(
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                if params.detokenize and self.tokenizer is not None
-                else None
-            )
-        request = _Request(request_id, prompt_text, prompt_ids, params, seqs, detoks, arrival_time)
+        request = self.output_processor.new_request(
+            request_id, prompt_text, prompt_ids, params, seqs, arrival_time
+        )
         self.requests[request_id] = request
         if grammar is not None:
             self._awaiting_grammar.append((request, grammar))
@@ -291,8 +264,7 @@ class LLMEngine:
                 for seq in request.seqs:
                     self.scheduler.finish(seq)
                     seq.finish_reason = "abort"
-                del self.requests[request.request_id]
-                self._pending_outputs.append(self._make_output(request))
+                self._emit(request, self._pending_outputs)
                 continue
             template = future.result()
             for seq in request.seqs:
@@ -331,7 +303,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
                     seq.finish_reason = "abort"
-            self._pending_outputs.append(self._make_output(request))
+            self._emit(request, self._pending_outputs)
 
     # -- the loop ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -354,15 +326,11 @@ class LLMEngine:
             self._complete(launched, outputs)
         return outputs
 
-    def _launch(self, batch) -> _LaunchedStep:
+    def _launch(self, batch: ScheduledBatch) -> _LaunchedStep:
         now = time.time()
         seqs, counts = batch.seqs, batch.num_new_tokens
         self.computed_tokens_total += batch.num_batched_tokens
-        # Rows whose last known token is computed this step get a new token sampled.
-        sample_rows = [
-            row for row, (s, n) in enumerate(zip(seqs, counts))
-            if s.num_computed_tokens + n == s.num_tokens
-        ]
+        sample_rows = batch.sample_rows
         sampled_seqs = [seqs[row] for row in sample_rows]
         sampling = self._sampling_metadata(sampled_seqs)
         if self._unscored:
@@ -378,17 +346,7 @@ class LLMEngine:
             )  # fmt: skip
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
-        for seq, n in zip(seqs, counts):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-        # Each sampled sequence gets its coming token as a placeholder (-1 - row): the
-        # next step can be scheduled and run before the host knows its value.
-        positions = []
-        for row, seq in enumerate(sampled_seqs):
-            positions.append(seq.num_tokens)
-            seq.append_placeholder(-1 - row)
+        positions = self.scheduler.on_step_launched(batch, now)
         needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
         return _LaunchedStep(
             handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained)
@@ -417,35 +375,42 @@ class LLMEngine:
             step.grammar_ended = dict(zip(rows, ended))
 
     def _complete(self, step: _LaunchedStep, outputs: list[RequestOutput]) -> None:
-        """Put a launched step's sampled tokens in place of their placeholders, then check
-        each sequence's stop conditions and emit outputs."""
+        """Put a launched step's sampled tokens in place of their placeholders, then let the
+        output processor take each one in (text, logprobs, stop conditions) and emit
+        outputs; sequences that stopped leave the scheduler."""
         sampled = step.result()
         if sampled is None:
             return
         self._advance_grammars(step)
         grammar_ended = step.grammar_ended or {}
+        processor = self.output_processor
         for (seq, asked), result in zip(step.prompt_logprobs, sampled.prompt_logprobs, strict=True):
-            if not seq.is_finished:  # not aborted meanwhile
-                seq.prompt_logprobs.extend(self._prompt_logprob_dicts(asked.target_ids, result))
-        touched: dict[str, _Request] = {}
+            processor.add_prompt_logprobs(seq, asked.target_ids, result)
+        self.scheduler.on_step_finished(step.seqs, step.positions, sampled.token_ids)
+        touched: dict[str, RequestState] = {}
         now = time.time()
-        for i, (seq, position) in enumerate(zip(step.seqs, step.positions)):
+        for i, seq in enumerate(step.seqs):
             if seq.is_finished:
                 continue  # aborted, or stopped by an earlier token while this step ran
             request = self.requests[seq.request_id]
-            token_id = sampled.token_ids[i]
-            seq.resolve_placeholder(position, token_id)
-            self.block_manager.cache_full_blocks(seq)
-            self._process_token(
-                request, seq, token_id, sampled.logprobs[i], now, grammar_ended.get(i, False)
-            )
+            if processor.process_token(
+                request, seq, sampled.token_ids[i], sampled.logprobs[i], now,
+                grammar_ended.get(i, False),
+            ):  # fmt: skip
+                self.scheduler.finish(seq)
             touched[request.request_id] = request
         for request in touched.values():
-            finished = request.finished
-            if finished or self.emit_unfinished_outputs:
-                outputs.append(self._make_output(request, finished))
-            if finished:
-                del self.requests[request.request_id]
+            self._emit(request, outputs)
+
+    def _emit(self, request: RequestState, outputs: list[RequestOutput]) -> None:
+        """Add the request's output (if its output kind has one now) to ``outputs``; a
+        finished request leaves the engine."""
+        output = self.output_processor.make_output(request)
+        if output is None:
+            return
+        outputs.append(output)
+        if output.finished:
+            self.requests.pop(request.request_id, None)
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         # Token histories only for rows whose sampling reads them (penalties, min_tokens):
@@ -468,152 +433,6 @@ class LLMEngine:
             num_output_tokens=counts,
             generators=[s.generator for s in seqs],
         )
-
-    def _process_token(
-        self,
-        request: _Request,
-        seq: Sequence,
-        token_id: int,
-        row_logprobs: RowLogprobs | None,
-        now: float,
-        grammar_ended: bool = False,
-    ) -> None:
-        self.generation_tokens_total += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if seq.index == 0:
-                self.prompt_tokens_total += seq.num_prompt_tokens
-        seq.last_token_time = now
-        if row_logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(token_id, row_logprobs))
-            seq.cumulative_logprob += row_logprobs.sampled_logprob
-        detok = request.detokenizers[seq.index]
-        p = seq.params
-        # EOS (unless ignored) and stop_token_ids end the request once min_tokens are out
-        # (the sampler forbids them before); as in vLLM, the token stays in token_ids but
-        # its text joins the output only with include_stop_str_in_output.
-        stop_token = token_id in p.all_stop_token_ids and seq.num_output_tokens >= p.min_tokens
-        num_new_chars = 0
-        if detok is not None and (not stop_token or p.include_stop_str_in_output):
-            num_new_chars = len(detok.add(token_id))
-        finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
-        if grammar_ended and finish is None:
-            finish, reason = "stop", None
-        if finish is not None:
-            seq.finish_reason, seq.stop_reason = finish, reason
-            self.scheduler.finish(seq)
-
-    def _check_stop(
-        self, seq: Sequence, token_id: int, stop_token: bool, detok, num_new_chars: int
-    ):
-        p = seq.params
-        num_out = seq.num_output_tokens
-        if stop_token:
-            is_eos = token_id in self.eos_token_ids and not p.ignore_eos
-            return "stop", None if is_eos else token_id
-        # vLLM ignores stop strings completed by the first min_tokens tokens.
-        if p.stop and detok is not None and num_new_chars and num_out > p.min_tokens:
-            stop_str = _truncate_at_stop(
-                detok, p.stop, p.include_stop_str_in_output, num_new_chars
-            )
-            if stop_str is not None:
-                return "stop", stop_str
-        if num_out >= p.max_tokens or seq.num_known_tokens >= self.config.max_model_len:
-            return "length", None
-        return None, None
-
-    def _logprob_dict(self, token_id: int, row: RowLogprobs) -> dict[int, Logprob]:
-        entry = {
-            tid: Logprob(lp, rank + 1, self._decode_one(tid))
-            for rank, (tid, lp) in enumerate(zip(row.top_token_ids, row.top_logprobs))
-        }
-        if token_id not in entry:
-            entry[token_id] = Logprob(
-                row.sampled_logprob, row.sampled_rank, self._decode_one(token_id)
-            )
-        return entry
-
-    def _prompt_logprob_dicts(
-        self, target_ids: list[int], result: PromptLogprobs
-    ) -> list[dict[int, Logprob]]:
-        """vLLM's shape: per prompt token, the prompt token and the top-k alternatives."""
-        dicts = []
-        decode = self._decode_one
-        for token_id, logprob, rank, top_ids, top_logprobs in zip(
-            target_ids, result.token_logprobs, result.ranks,
-            result.top_token_ids, result.top_logprobs, strict=True,
-        ):  # fmt: skip
-            entry = {
-                tid: Logprob(lp, i + 1, decode(tid))
-                for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs))
-            }
-            if token_id not in entry:
-                entry[token_id] = Logprob(logprob, rank, decode(token_id))
-            dicts.append(entry)
-        return dicts
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
-        wants_logprobs = request.params.logprobs is not None
-        delta = self.delta_outputs
-        completions = []
-        for seq, detok in zip(request.seqs, request.detokenizers):
-            known = seq.num_output_tokens
-            start = seq.num_emitted_tokens if delta else 0
-            if delta:
-                seq.num_emitted_tokens = known
-            offset = seq.num_prompt_tokens
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.text if detok is not None else "",
-                    token_ids=seq.token_ids[offset + start : offset + known],
-                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=seq.logprobs[start:known] if wants_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        first = request.seqs[0]
-        if finished is None:
-            finished = request.finished
-        last_token_time = first.last_token_time
-        for seq in request.seqs[1:]:
-            if seq.last_token_time is not None and (
-                last_token_time is None or seq.last_token_time > last_token_time
-            ):
-                last_token_time = seq.last_token_time
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            last_token_time=last_token_time,
-            finished_time=time.time() if finished else None,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=self._ready_prompt_logprobs(request),
-        )
-
-    def _ready_prompt_logprobs(self, request: _Request) -> list[dict[int, Logprob] | None] | None:
-        """The prompt logprobs once every prompt token has its entry; delta outputs carry
-        them once (with the first token, as vLLM sends them)."""
-        prompt_logprobs = request.seqs[0].prompt_logprobs
-        if prompt_logprobs is None or len(prompt_logprobs) < len(request.prompt_token_ids):
-            return None
-        if self.delta_outputs:
-            if request.prompt_logprobs_sent:
-                return None
-            request.prompt_logprobs_sent = True
-        return prompt_logprobs
 
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
@@ -646,8 +465,8 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=bm.prefix_cache_queries,
             prefix_cache_hits_total=bm.prefix_cache_hits,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.output_processor.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
         )
 
 
@@ -677,25 +496,3 @@ def _prompt_logprobs_requests(
         if end == seq.num_prompt_tokens - 1:
             unscored.discard(seq)
     return requests
-
-
-def _truncate_at_stop(
-    detok: IncrementalDetokenizer, stops: list[str], include: bool, num_new_chars: int
-) -> str | None:
-    """If a stop string ends within the newest ``num_new_chars`` characters of the text, cut
-    the text there and return the string (vLLM's rule). The search starts ``len(stop) - 1``
-    characters before the new text, so a stop string straddling tokens is found, and it
-    covers all of the new text, however long one token's text is. Of several, the one that
-    ends first wins (ties: list order): what reading the text a character at a time finds."""
-    text = detok.text
-    first_new = len(text) - num_new_chars
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        idx = text.find(stop, max(0, first_new - len(stop) + 1))
-        if idx != -1 and (best is None or idx + len(stop) < best[0] + len(best[1])):
-            best = (idx, stop)
-    if best is None:
-        return None
-    idx, stop = best
-    detok.text = text[: idx + len(stop)] if include else text[:idx]
-    return stop

@@ -7,6 +7,7 @@ message that names the field, before the request touches the engine.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,14 @@ class StructuredOutputsParams:
         return (kind, value, self.disable_any_whitespace)
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names and meanings)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -100,6 +109,9 @@ class SamplingParams:
     # -100 bans a token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # How the engine shapes this request's outputs (inference.output_processor). LLM.generate
+    # asks for FINAL_ONLY, the server's engine process for DELTA.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: EOS and generation-config stop ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -167,6 +179,8 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,14 @@ step gives running sequences (oldest first) their share of ``max_num_batched_tok
 then admits waiting ones in arrival order while budget, ``max_num_seqs`` and free blocks
 allow. When blocks run out, the newest running sequence is preempted: it drops its blocks
 and goes back to the front of the queue, to be recomputed later from its tokens.
+
+The scheduler also owns the state a step changes (vLLM V1's ``update_from_output``), in two
+phases because of async scheduling, where step n+1 is launched before step n's tokens are
+known: ``on_step_launched`` counts the batch's tokens as computed and gives each sampling
+row a placeholder for the token it will sample; ``on_step_finished`` puts the sampled ids
+in place of the placeholders. What a token means for its request (stop conditions, text,
+logprobs) is the output processor's; the engine hands the sequences that stopped back to
+``finish``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Rows whose last token is computed this step: each samples the sequence's next token.
+    sample_rows: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -92,7 +102,43 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+        batch.sample_rows = [
+            row for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]  # fmt: skip
         return batch
+
+    def on_step_launched(self, batch: ScheduledBatch, now: float) -> list[int]:
+        """The batch is on the device: its tokens count as computed (full blocks join the
+        prefix cache), and each sampling row's sequence gets its coming token as a
+        placeholder (``-1 - i`` for the i-th sampling row, which the model runner resolves
+        on the device), so the next step can be scheduled before the host knows its value.
+        Returns where each placeholder sits in its sequence's ``token_ids``."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        positions = []
+        for i, row in enumerate(batch.sample_rows):
+            seq = batch.seqs[row]
+            positions.append(seq.num_tokens)
+            seq.append_placeholder(-1 - i)
+        return positions
+
+    def on_step_finished(
+        self, seqs: list[Sequence], positions: list[int], token_ids: list[int]
+    ) -> None:
+        """A launched step's sampled ids are on the host: each replaces its placeholder
+        (``seqs`` and ``positions`` in sampling-row order, as ``on_step_launched`` left
+        them). Sequences finished meanwhile (aborted, or stopped by the token before) have
+        dropped their placeholders and are skipped."""
+        for seq, position, token_id in zip(seqs, positions, token_ids):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.resolve_placeholder(position, token_id)
+            self.block_manager.cache_full_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

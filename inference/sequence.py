@@ -56,8 +56,6 @@ class Sequence:
     # Placeholders at the end of token_ids for tokens sampled on the device but not yet read
     # back (async scheduling); the model runner substitutes their values on the device.
     num_pending_tokens: int = field(init=False, default=0)
-    # Output tokens already handed out in delta outputs (LLMEngine.delta_outputs).
-    num_emitted_tokens: int = field(init=False, default=0)
     # Structured outputs: the grammar matcher (llguidance), advanced with every known token.
     grammar: Any = field(init=False, default=None, repr=False)
     first_scheduled_time: float | None = field(init=False, default=None)

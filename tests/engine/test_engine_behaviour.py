@@ -11,6 +11,7 @@ from tiny_models import build_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.config import EngineConfig
+from inference.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -223,31 +224,56 @@ def test_dtypes_run(tmp_path):
         assert len(out[0].outputs[0].token_ids) >= 1
 
 
+def _run_engine(engine, request_id, prompt, params, async_scheduling=True) -> list:
+    engine.async_scheduling = async_scheduling
+    outputs = []
+    try:
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+    finally:
+        engine.async_scheduling = True
+    return outputs
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_delta_outputs_add_up_to_the_cumulative_output(llm, async_scheduling):
-    """delta_outputs (the server's engine): each step's output holds only new token ids and
-    logprobs; together they are exactly the finished cumulative output."""
-    engine = llm.engine
+    """RequestOutputKind.DELTA (the server's engine): each step's output holds only new
+    token ids, logprobs and text; together they are exactly the finished output."""
     params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=20, ignore_eos=True,
-                            logprobs=2)  # fmt: skip
+                            logprobs=2, output_kind=RequestOutputKind.DELTA)  # fmt: skip
     expected = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
-    engine.emit_unfinished_outputs, engine.delta_outputs = True, True
-    engine.async_scheduling = async_scheduling
-    try:
-        engine.add_request("delta", PROMPTS[1], params)
-        ids: dict[int, list] = {0: [], 1: []}
-        logprobs: dict[int, list] = {0: [], 1: []}
-        last = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for c in out.outputs:
-                    ids[c.index] += c.token_ids
-                    logprobs[c.index] += c.logprobs
-                    last[c.index] = c
-    finally:
-        engine.emit_unfinished_outputs, engine.delta_outputs = False, False
-        engine.async_scheduling = True
+    outputs = _run_engine(llm.engine, "delta", PROMPTS[1], params, async_scheduling)
+    assert len(outputs) > 2 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    ids: dict[int, list] = {0: [], 1: []}
+    logprobs: dict[int, list] = {0: [], 1: []}
+    text = {0: "", 1: ""}
+    last = {}
+    for out in outputs:
+        for c in out.outputs:
+            ids[c.index] += c.token_ids
+            logprobs[c.index] += c.logprobs
+            text[c.index] += c.text
+            last[c.index] = c
     for c in expected.outputs:
         assert ids[c.index] == c.token_ids
         assert logprobs[c.index] == c.logprobs
-        assert last[c.index].text == c.text and last[c.index].finish_reason == "length"
+        assert text[c.index] == c.text and last[c.index].finish_reason == "length"
+
+
+def test_output_kinds(llm):
+    """CUMULATIVE (the default): every step's output holds everything so far; FINAL_ONLY:
+    one output, at the end; both end with the same output LLM.generate returns."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    cumulative = _run_engine(llm.engine, "cumulative", PROMPTS[0], params)
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 7))
+    final = params.clone()
+    final.output_kind = RequestOutputKind.FINAL_ONLY
+    final_only = _run_engine(llm.engine, "final", PROMPTS[0], final)
+    assert len(final_only) == 1 and final_only[0].finished
+    for out in (cumulative[-1], final_only[0]):
+        c = out.outputs[0]
+        assert (c.token_ids, c.text, c.finish_reason) == (
+            expected.token_ids, expected.text, expected.finish_reason
+        )

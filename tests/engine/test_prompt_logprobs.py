@@ -10,6 +10,7 @@ import torch
 from tiny_models import build_tiny_model
 
 from inference import LLM, SamplingParams
+from inference.sampling_params import RequestOutputKind
 
 TOL = 1e-4
 K = 3
@@ -90,8 +91,8 @@ def test_delta_outputs_carry_prompt_logprobs_once(model):
     llm = LLM(folder, max_model_len=128, block_size=8, max_num_batched_tokens=16,
               num_kv_blocks=64)  # fmt: skip
     engine = llm.engine
-    engine.delta_outputs = True
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
     engine.add_request("r", PROMPT, params)
     carried = []
     while engine.has_unfinished_requests():

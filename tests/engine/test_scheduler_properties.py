@@ -1,6 +1,8 @@
 """Property-based: random interleavings of add / step / abort (with preemption forced by a
-small cache) never leak or double-free a block, keep reference counts exact, respect the
-token budget and max_num_seqs, and finish every request. Pure Python: no model."""
+small cache, and with async scheduling's overlapping steps) never leak or double-free a
+block, keep reference counts exact, respect the token budget and max_num_seqs, and finish
+every request with exactly its tokens. Pure Python: no model; the step bookkeeping is the
+scheduler's own (``on_step_launched`` / ``on_step_finished``)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,18 @@ op = st.one_of(
 
 
 class FakeEngine:
-    """The engine's bookkeeping without a model: every computed sequence 'samples' a token
-    derived from its length, and finishes at its max_tokens."""
+    """LLMEngine's loop with the model and the output processor left out: every sampled
+    token is derived from its position, and a sequence finishes at its max_tokens. With
+    async scheduling a step is launched before the previous step's tokens are known."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, budget: int, cache: bool):
+    def __init__(
+        self, num_blocks: int, block_size: int, max_seqs: int, budget: int, cache: bool,
+        async_scheduling: bool,
+    ):  # fmt: skip
         self.bm = BlockManager(num_blocks, block_size, cache)
         self.sched = Scheduler(self.bm, max_seqs, budget)
+        self.async_scheduling = async_scheduling
+        self.in_flight: tuple[list[Sequence], list[int]] | None = None
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.next_id = 0
@@ -49,17 +57,30 @@ class FakeEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
             assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(seq.num_tokens % 50)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self._finish(seq)
         assert len(set(map(id, batch.seqs))) == len(batch.seqs)
+        launched = None
+        if batch:
+            sampled = [batch.seqs[row] for row in batch.sample_rows]
+            launched = (sampled, self.sched.on_step_launched(batch, now=0.0))
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:
+            self._complete(*previous)
+        if launched is not None and not self.async_scheduling:
+            self.in_flight = None
+            self._complete(*launched)
+
+    def _complete(self, seqs: list[Sequence], positions: list[int]) -> None:
+        self.sched.on_step_finished(seqs, positions, [position % 50 for position in positions])
+        for seq in seqs:
+            if not seq.is_finished and seq.num_output_tokens >= seq.params.max_tokens:
+                seq.finish_reason = "length"
+                self._finish(seq)
 
     def abort(self, index: int) -> None:
         if self.live:
-            self._finish(self.live[index % len(self.live)])
+            seq = self.live[index % len(self.live)]
+            seq.finish_reason = "abort"
+            self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.sched.finish(seq)
@@ -72,8 +93,12 @@ class FakeEngine:
         assert sorted(s.seq_id for s in in_queues) == sorted(s.seq_id for s in self.live)
         for seq in self.sched.waiting:
             assert seq.status is SequenceStatus.WAITING
+        for seq in self.live:
+            # At most the in-flight step's token is unknown; none without async scheduling.
+            assert seq.num_pending_tokens <= (1 if self.async_scheduling else 0)
+            assert all(t >= 0 for t in seq.token_ids[: seq.num_known_tokens])
         for seq in self.finished:
-            assert seq.block_table == []
+            assert seq.block_table == [] and seq.num_pending_tokens == 0
 
 
 @settings(max_examples=150, deadline=None)
@@ -83,11 +108,14 @@ class FakeEngine:
     max_seqs=st.integers(1, 6),
     budget=st.integers(1, 64),
     cache=st.booleans(),
+    async_scheduling=st.booleans(),
 )
-def test_random_operations_keep_invariants(ops, block_size, max_seqs, budget, cache):
+def test_random_operations_keep_invariants(
+    ops, block_size, max_seqs, budget, cache, async_scheduling
+):
     # Enough blocks for the longest possible sequence (8 + 40 + 12 tokens), not for many.
     num_blocks = -(-60 // block_size) + 2
-    engine = FakeEngine(num_blocks, block_size, max_seqs, budget, cache)
+    engine = FakeEngine(num_blocks, block_size, max_seqs, budget, cache, async_scheduling)
     for name, *args in ops:
         getattr(engine, name)(*args)
         engine.check()
@@ -99,9 +127,13 @@ def test_random_operations_keep_invariants(ops, block_size, max_seqs, budget, ca
     assert not engine.live, "requests left unfinished"
     assert engine.bm.num_free_blocks == num_blocks
     for seq in engine.finished:
-        if seq.finish_reason is None and seq.num_output_tokens >= seq.params.max_tokens:
-            # Outputs are never duplicated or lost across preemptions.
+        if seq.finish_reason == "length":
+            # Outputs are never duplicated or lost across preemptions and placeholders,
+            # and each is the token sampled at its position.
             assert seq.num_tokens == seq.num_prompt_tokens + seq.params.max_tokens
+            assert seq.output_token_ids == [
+                position % 50 for position in range(seq.num_prompt_tokens, seq.num_tokens)
+            ]
 
 
 def test_fcfs_no_overtaking():
@@ -127,18 +159,20 @@ def test_preempts_newest_and_requeues_at_front():
     new = Sequence(1, "new", 0, [4, 5, 6], SamplingParams())
     sched.add(old)
     sched.add(new)
+
+    def run(batch) -> None:
+        sampled = [batch.seqs[row] for row in batch.sample_rows]
+        positions = sched.on_step_launched(batch, now=0.0)
+        assert [s.num_pending_tokens for s in sampled] == [1] * len(sampled)
+        sched.on_step_finished(sampled, positions, [9] * len(sampled))
+
     batch = sched.schedule()
-    assert batch.seqs == [old, new] and bm.num_free_blocks == 0
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
-        seq.append_token(9)
+    assert batch.seqs == [old, new] and batch.sample_rows == [0, 1] and bm.num_free_blocks == 0
+    run(batch)
     # old's 4th token fits in its second block, its 5th needs a third: new gets preempted.
     batch = sched.schedule()
     assert batch.seqs == [old, new]
-    old.num_computed_tokens += 1
-    new.num_computed_tokens += 1
-    old.append_token(9)
-    new.append_token(9)
+    run(batch)
     batch = sched.schedule()
     assert batch.preempted == [new] and batch.seqs == [old]
     assert list(sched.waiting) == [new] and new.num_computed_tokens == 0

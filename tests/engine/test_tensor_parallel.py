@@ -166,7 +166,7 @@ def test_killed_worker_fails_the_engine_fast(llama_folder):
 
     def kill_when_running() -> None:
         deadline = time.monotonic() + 60
-        while engine.generation_tokens_total < 8 and time.monotonic() < deadline:
+        while engine.output_processor.generation_tokens_total < 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         killed_at.append(time.monotonic())
         os.kill(victim.pid, signal.SIGKILL)

@@ -55,7 +55,7 @@ def test_tp2_killed_worker_fails_fast(setup):
     processes = list(llm.engine.runner.processes)
 
     def kill() -> None:
-        while llm.engine.generation_tokens_total < 8:
+        while llm.engine.output_processor.generation_tokens_total < 8:
             time.sleep(0.005)
         os.kill(processes[1].pid, signal.SIGKILL)
 

@@ -80,7 +80,7 @@ def test_core_answers_each_command():
     core._handle(engine, AbortRequests(["ok", "gone"]))
     assert engine.added == ["ok"] and engine.aborted == [["ok", "gone"]]
     assert core.num_adds == 2 and list(core.requests) == ["ok"]
-    assert core.requests["ok"].arrival == 1.0 and core.requests["ok"].holdback == 2
+    assert core.requests["ok"].arrival == 1.0
     assert received.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
     with pytest.raises(_Shutdown):
         core._handle(engine, Shutdown())
@@ -98,7 +98,7 @@ def test_llm_engine_has_what_the_core_drives(tiny_model):
         members = set(CoreEngine.__annotations__) | {
             name for name in vars(CoreEngine) if not name.startswith("_")
         }
-        assert {"add_request", "step", "delta_outputs", "num_total_blocks"} <= members
+        assert {"add_request", "step", "num_total_blocks"} <= members
         assert [name for name in sorted(members) if not hasattr(engine, name)] == []
     finally:
         engine.shutdown()
