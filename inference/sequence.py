@@ -101,9 +101,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def append_placeholder(self, code: int) -> None:
         self.token_ids.append(code)
         self.num_pending_tokens += 1

@@ -1,8 +1,8 @@
 """Property-based: random interleavings of add / step / abort (with preemption forced by a
 small cache, and with async scheduling's overlapping steps) never leak or double-free a
 block, keep reference counts exact, respect the token budget and max_num_seqs, and finish
-every request with exactly its tokens. Pure Python: no model; the step bookkeeping is the
-scheduler's own (``on_step_launched`` / ``on_step_finished``)."""
+every request with exactly its tokens. No model: the step bookkeeping is the scheduler's own
+(``on_step_launched`` / ``on_step_finished``), the stop rule the output processor's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference.block_manager import BlockManager
+from inference.output_processor import OutputProcessor, RequestState
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus
@@ -24,9 +25,9 @@ op = st.one_of(
 
 
 class FakeEngine:
-    """LLMEngine's loop with the model and the output processor left out: every sampled
-    token is derived from its position, and a sequence finishes at its max_tokens. With
-    async scheduling a step is launched before the previous step's tokens are known."""
+    """LLMEngine's loop without a model (nor a tokenizer): every sampled token is derived
+    from its position. With async scheduling a step is launched before the previous step's
+    tokens are known."""
 
     def __init__(
         self, num_blocks: int, block_size: int, max_seqs: int, budget: int, cache: bool,
@@ -34,6 +35,8 @@ class FakeEngine:
     ):  # fmt: skip
         self.bm = BlockManager(num_blocks, block_size, cache)
         self.sched = Scheduler(self.bm, max_seqs, budget)
+        self.processor = OutputProcessor(None, set(), max_model_len=1000)
+        self.requests: dict[str, RequestState] = {}
         self.async_scheduling = async_scheduling
         self.in_flight: tuple[list[Sequence], list[int]] | None = None
         self.live: list[Sequence] = []
@@ -45,6 +48,9 @@ class FakeEngine:
         prompt = [prefix_group] * 8 + [(self.next_id * 7 + i) % 50 for i in range(prompt_len)]
         seq = Sequence(
             self.next_id, str(self.next_id), 0, prompt, SamplingParams(max_tokens=max_tokens)
+        )
+        self.requests[seq.request_id] = self.processor.new_request(
+            seq.request_id, None, prompt, seq.params, [seq], 0.0
         )
         self.next_id += 1
         self.live.append(seq)
@@ -70,10 +76,12 @@ class FakeEngine:
             self._complete(*launched)
 
     def _complete(self, seqs: list[Sequence], positions: list[int]) -> None:
-        self.sched.on_step_finished(seqs, positions, [position % 50 for position in positions])
-        for seq in seqs:
-            if not seq.is_finished and seq.num_output_tokens >= seq.params.max_tokens:
-                seq.finish_reason = "length"
+        token_ids = [position % 50 for position in positions]
+        self.sched.on_step_finished(seqs, positions, token_ids)
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.is_finished:
+                continue
+            if self.processor.process_token(self.requests[seq.request_id], seq, token_id, None, 0.0):
                 self._finish(seq)
 
     def abort(self, index: int) -> None:

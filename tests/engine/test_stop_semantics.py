@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import build_successor_model
 
-from inference import LLM, SamplingParams
+from inference import LLM, RequestOutputKind, SamplingParams
 
 LONG = "STOPPING" + "x" * 32
 PROMPT = [3, 4, 5]
@@ -79,6 +79,36 @@ def test_eos_text_is_dropped_unless_asked_for(llm):
     # Under ignore_eos it is an ordinary token.
     out = run(llm, max_tokens=6, skip_special_tokens=False, ignore_eos=True)
     assert out.text == "$%" + LONG + "&</s>#"
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize(
+    ("stop", "max_tokens", "pieces"),
+    [
+        # Hold-back 3: LONG's last 3 "x" wait; "&" completes the stop string and cuts them.
+        (["xxx&"], 20, ["$%STOPPING" + "x" * 29]),
+        # Hold-back 1, never found: the held character goes out when max_tokens ends it.
+        (["zz"], 4, ["$", "%STOPPING" + "x" * 31, "x&"]),
+    ],
+)
+def test_delta_text_never_runs_ahead_of_a_stop_string(llm, async_scheduling, stop, max_tokens,
+                                                      pieces):  # fmt: skip
+    """DELTA outputs (the server's stream) hold back the longest stop string minus one
+    character until the completion finishes: text once sent is never cut back."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    expected = run(llm, max_tokens=max_tokens, ignore_eos=True, stop=stop)
+    engine.async_scheduling = async_scheduling
+    sent = []
+    try:
+        engine.add_request("delta", PROMPT, params)
+        while engine.has_unfinished_requests():
+            sent += [c.text for out in engine.step() for c in out.outputs]
+    finally:
+        engine.async_scheduling = True
+    assert [piece for piece in sent if piece] == pieces
+    assert "".join(pieces) == expected.text
 
 
 def test_stop_strings_need_detokenization():
