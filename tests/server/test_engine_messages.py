@@ -26,7 +26,8 @@ from inference.engine_messages import (
     StepOutputs,
     StepTimings,
 )
-from inference.sampling_params import SamplingParams
+from inference.outputs import CompletionOutput, RequestOutput
+from inference.sampling_params import RequestOutputKind, SamplingParams
 
 STATS = EngineStats(
     num_running=1, num_waiting=0, kv_cache_usage=0.5, num_total_blocks=8, num_free_blocks=4,
@@ -59,12 +60,14 @@ def test_messages_unpickle_without_torch():
 class _FakeEngine:
     def __init__(self) -> None:
         self.added: list[str] = []
+        self.kinds: list[RequestOutputKind] = []
         self.aborted: list = []
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         self.added.append(request_id)
+        self.kinds.append(params.output_kind)
 
     def abort_request(self, request_id) -> None:
         self.aborted.append(request_id)
@@ -79,11 +82,29 @@ def test_core_answers_each_command():
     core._handle(engine, AddRequest("bad", "", params, 2.0))
     core._handle(engine, AbortRequests(["ok", "gone"]))
     assert engine.added == ["ok"] and engine.aborted == [["ok", "gone"]]
+    assert engine.kinds == [RequestOutputKind.DELTA]  # the core streams what is new
     assert core.num_adds == 2 and list(core.requests) == ["ok"]
     assert core.requests["ok"].arrival == 1.0
     assert received.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
     with pytest.raises(_Shutdown):
         core._handle(engine, Shutdown())
+
+
+def test_core_counts_a_finished_request_by_its_first_completions_reason():
+    """Delta outputs leave out completions with nothing new: the first completion's finish
+    reason, seen steps earlier, is still the one the request is counted under."""
+    core = EngineCore(EngineConfig.from_kwargs("unused"), commands=None, outputs=None)
+    core._handle(_FakeEngine(), AddRequest("r", [1, 2], SamplingParams(n=2), 1.0))
+
+    def output(finished: bool, *completions: CompletionOutput) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], list(completions), finished)
+
+    core._deltas([output(False, CompletionOutput(0, "a", [7], None, None, "length"))], 2.0)
+    items = core._deltas(
+        [output(True, CompletionOutput(1, "b", [8], None, None, "stop", "x"))], 3.0
+    )
+    assert items == [("r", True, [(1, [8], "b", None, None, "stop", "x")], None)]
+    assert core.timings.finished == {"length": 1} and core.timings.generation_tokens == [2]
 
 
 def test_llm_engine_has_what_the_core_drives(tiny_model):
