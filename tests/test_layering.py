@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.models",),  # model families, weight loading
     ("inference.quantization",),  # FP8 weights: their layout, filled from a checkpoint
     ("inference.layers",),  # attention metadata, embedding, rotary
-    ("inference.scheduler",),
+    # a step's bookkeeping: batching and KV blocks; what the sampled tokens mean for requests
+    ("inference.scheduler", "inference.output_processor"),
     ("inference.block_manager",),
     ("inference.sampler", "inference.structured_output", "inference.detokenizer"),
     ("inference.sequence",),
