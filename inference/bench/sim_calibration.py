@@ -172,7 +172,6 @@ def _decode_grid(engine, args: argparse.Namespace, capacity_tokens: int) -> tupl
     rows, skipped = [], []
     budget = engine.config.max_num_batched_tokens
     batches = sorted(set(args.batches), reverse=True)
-    engine.emit_unfinished_outputs = True
     for context in args.contexts:
         # Tokens each sequence may generate: while the others are prefilled, then at
         # every batch level; none may finish before the smallest level is timed.
@@ -217,7 +216,6 @@ def _decode_grid(engine, args: argparse.Namespace, capacity_tokens: int) -> tupl
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-    engine.emit_unfinished_outputs = False
     return rows, skipped
 
 
