@@ -23,8 +23,8 @@ import triton.language as tl
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
 from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel, _x_row
 
-FP8_MAX: tl.constexpr = 448.0
-MIN_SCALE: tl.constexpr = 1.0 / (448.0 * 512.0)
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 
 
 @triton.jit

@@ -51,7 +51,7 @@ def test_tp2_fp32_equals_cpu(setup, enforce_eager):
 def test_tp2_killed_worker_fails_fast(setup):
     folder, _, _ = setup
     llm = LLM(str(folder), device="cuda", max_model_len=512, tensor_parallel_size=2,
-              gpu_memory_utilization=0.3)
+              num_kv_blocks=2048)
     processes = list(llm.engine.runner.processes)
 
     def kill() -> None:
