@@ -86,9 +86,13 @@ def test_engine_roots_its_chains_in_model_and_dtype(tmp_path):
     engine = LLM(str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=8).engine
     expected = prefix_cache_root(
         model=str(engine.model_path), load_format="auto", dtype="torch.float32",
-        kv_cache_dtype="torch.float32",
+        kv_cache_dtype="torch.float32", quantization=None,
     )  # fmt: skip
     assert engine.block_manager.root_hash == expected
+    # What changes a block's KV changes the root: an FP8 KV cache, FP8 weights.
+    for other in (dict(kv_cache_dtype="fp8"), dict(quantization="fp8")):
+        variant = LLM(str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=8, **other)
+        assert variant.engine.block_manager.root_hash != expected, other
 
 
 def test_hashing_a_long_prompt_is_cheap():
