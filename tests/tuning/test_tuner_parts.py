@@ -360,6 +360,31 @@ def test_a_change_whose_rollout_completes_is_judged_on_the_window_after_it_and_k
     }
     assert api.llmd["status"]["tuning"]["state"].get("pending") is None
     assert applied == []  # nothing to render again: the override stays as it is
+    status = {**api.llmd["status"], "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+    later, api, events, _ = run_window("Auto", served, status, now=250)
+    assert "verdict" not in api.llmd["status"]["tuning"]["lastDecision"]  # judged once
+    assert [d["outcome"] for d in later["decisions"]] == ["kept: " + verdict]
+    assert [e for e in events if e[1] == "TuningKept"] == []
+
+
+def test_each_window_replaces_what_the_last_one_wrote() -> None:
+    """Through the API's merge patch, a field the last window wrote and this one leaves out
+    (the knob of the last decision, the verdict of the change it judged, a knob no longer
+    fixed) would stay as it was; the tuner removes it."""
+    queued = Observation(QUEUED_WITH_FREE_KV)
+    _, api, _, _ = run_window("Auto", queued, now=0)
+    changed, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=60)
+    assert changed["lastDecision"]["knob"] == MAX_NUM_SEQS
+    _, api, _, _ = run_window(
+        "Auto", queued, copy.deepcopy(api.llmd["status"]), now=120, pinned=["replicas"]
+    )
+    stored = api.llmd["status"]["tuning"]
+    assert stored["lastDecision"]["action"] == "hold"
+    assert {"knob", "old", "new"}.isdisjoint(stored["lastDecision"])
+    assert set(stored["fixed"]) == {REPLICAS}
+    _, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=130)
+    assert "fixed" not in api.llmd["status"]["tuning"]  # unpinned
+    assert api.llmd["status"]["tuning"]["state"]["pending"]["to"] == 128  # the rest stays
 
 
 def test_engines_restarting_during_the_rollout_revert_it_at_once() -> None:
