@@ -96,7 +96,13 @@ async def tune(
     now = clock()
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         window = decide_window(fresh, observation, now)
-        logger.info("Tuner %s: %s", window.decision.action, window.decision.reason)
+        verdict = window.decision.verdict
+        logger.info(
+            "Tuner %s: %s%s",
+            window.decision.action,
+            window.decision.reason,
+            f" (judged: {verdict})" if verdict else "",
+        )
         try:
             written = await client.patch_status(
                 path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
