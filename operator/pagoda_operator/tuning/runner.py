@@ -96,12 +96,13 @@ async def tune(
     now = clock()
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         window = decide_window(fresh, observation, now)
-        verdict = window.decision.verdict
+        decision = window.decision
+        judged = decision.verdict not in (None, decision.reason)  # a revert says it already
         logger.info(
             "Tuner %s: %s%s",
-            window.decision.action,
-            window.decision.reason,
-            f" (judged: {verdict})" if verdict else "",
+            decision.action,
+            decision.reason,
+            f" (judged: {decision.verdict})" if judged else "",
         )
         try:
             written = await client.patch_status(
