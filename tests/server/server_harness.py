@@ -5,6 +5,7 @@ subprocess (for signals). Either way the engine itself runs in a child process."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -125,24 +126,32 @@ class ServerThread:
         raise TimeoutError("server did not become idle")
 
 
-def start_subprocess_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """`pagoda serve` as its own process; returns (process, base_url) once it is ready."""
-    port = free_port()
+def start_subprocess_server(
+    model: str, *args: str, port: int | None = None, log_path: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`pagoda serve` as its own process; returns (process, base_url) once it is ready.
+    ``port``: where to listen (a free one by default), e.g. a restarted server's old one.
+    ``log_path``: a file for its output, for a server that runs long (a pipe nobody reads
+    would fill up and block it); by default a pipe, printed if it fails to start."""
+    port = port or free_port()
     cmd = [
         sys.executable, "-m", "inference.server.cli_serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
         "--disable-uvicorn-access-log", *args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    with open(log_path, "a") if log_path is not None else contextlib.nullcontext() as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, proc=proc)
     except BaseException:
         proc.kill()
-        print(proc.communicate(timeout=10)[0])
+        output = proc.communicate(timeout=10)[0]
+        print(output if log_path is None else log_path.read_text()[-5000:])
         raise
     return proc, base_url
 

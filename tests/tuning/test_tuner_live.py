@@ -4,11 +4,18 @@ emulator. The operator must read the engines' queue from Prometheus and record a
 with its inputs, in status.tuning: first as a recommendation, then applied in Auto mode as an
 override (the spec stays the user's), and reverted when its rollout does not complete in
 time. A second LLMDeployment shows the GitOps case: re-applying the user's manifest neither
-undoes the override nor restarts the engines, and a user's change to the knob resets it.
+undoes the override nor restarts the engines, and a user's change to the knob resets it. A
+third one shows a change that rolls out, is judged on the windows after its rollout, and
+is kept.
 
 Prometheus labels the two engines the way the Kubernetes relabelling in operator/README.md
 labels an LLMDeployment's pods: namespace="tuned", llmdeployment="smol-lm" (a hyphenated name,
-as almost every Kubernetes name is), and once more as llmdeployment="smol-lm-gitops".
+as almost every Kubernetes name is), and once more for each of the other LLMDeployments.
+
+The emulated API server has no controller manager or kubelet: the engines are the pods, and
+where a rollout is to complete the test plays their part (see ``Engines.roll_out``). That
+restarts the engines with the new flags, so the test that does it runs after those that
+need them at 4 batch slots.
 
 Every wait is on a condition, with deadlines meant for a loaded 2-core machine.
 """
@@ -21,6 +28,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,7 +48,7 @@ from k8s.test_operator_kmock import (
 from prometheus_process import running_prometheus, stop
 from server.server_harness import free_port, start_subprocess_server
 
-NAMESPACE, NAME, GITOPS = "tuned", "smol-lm", "smol-lm-gitops"
+NAMESPACE, NAME, GITOPS, KEPT = "tuned", "smol-lm", "smol-lm-gitops", "smol-lm-kept"
 # Long enough for the slowest step under load, short enough to keep a failing run short.
 DEADLINE_S = 180
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,30 +58,71 @@ TUNER_ENV = {"PAGODA_TUNING_INTERVAL_SECONDS": "2", "PAGODA_TUNING_WINDOW_SECOND
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[list[str]]:
-    """Two engines with 4 batch slots each: a few requests per second make them queue."""
-    args = ("--max-num-seqs", "4", "--max-model-len", "512", "--uvicorn-log-level", "warning")
-    with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda _: start_subprocess_server("default", *args), range(2)))
-    try:
-        yield [base_url for _, base_url in started]
-    finally:
-        for process, _ in started:
+class Engines:
+    """The two engine servers, which stand for the pods of every LLMDeployment here."""
+
+    def __init__(self, max_num_seqs: int, logs: Path) -> None:
+        self.logs = [logs / f"engine-{index}.log" for index in range(2)]
+        self.processes: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        with ThreadPoolExecutor(2) as pool:
+            for process, url in pool.map(lambda log: start_engine(max_num_seqs, log), self.logs):
+                self.processes.append(process)
+                self.urls.append(url)
+
+    def roll_out(self, max_num_seqs: int) -> None:
+        """What a rollout does to the pods: each engine stops as a pod is stopped (SIGTERM:
+        it drains what is in flight and refuses what comes) and a new one starts in its
+        place, on the same address, with the new flags. Returns once both are ready."""
+
+        def replace(index: int) -> None:
+            stop(self.processes[index])
+            port = int(self.urls[index].rsplit(":", 1)[1])
+            self.processes[index], _ = start_engine(max_num_seqs, self.logs[index], port)
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(replace, range(2)))
+
+    def stop(self) -> None:
+        for process in self.processes:
             stop(process)
 
 
+def start_engine(
+    max_num_seqs: int, log: Path, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    args = ("--max-num-seqs", str(max_num_seqs), "--max-model-len", "512")
+    return start_subprocess_server(
+        "default", *args, "--uvicorn-log-level", "warning", port=port, log_path=log
+    )
+
+
 @pytest.fixture(scope="module")
-def prometheus(engines: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    targets = ", ".join(f"'{url.removeprefix('http://')}'" for url in engines)
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """Two engines with 4 batch slots each: a few requests per second make them queue."""
+    started = Engines(max_num_seqs=4, logs=tmp_path_factory.mktemp("engines"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    targets = ", ".join(f"'{url.removeprefix('http://')}'" for url in engines.urls)
+    names = (NAME, GITOPS, KEPT)
     groups = "".join(
         f"      - targets: [{targets}]\n"
         f"        labels: {{namespace: {NAMESPACE}, llmdeployment: {name}}}\n"
-        for name in (NAME, GITOPS)
+        for name in names
     )
     jobs = "  - job_name: pagoda-engines\n    static_configs:\n" + groups
     with running_prometheus(tmp_path_factory.mktemp("prometheus"), jobs) as url:
-        wait_for(lambda: scraped_engines(url) == 4, timeout=DEADLINE_S, what="engines scraped")
+        wait_for(
+            lambda: scraped_engines(url) == 2 * len(names),
+            timeout=DEADLINE_S,
+            what="engines scraped",
+        )
         yield url
 
 
@@ -87,15 +136,16 @@ def scraped_engines(url: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def load(prometheus: str, engines: list[str], tmp_path_factory: pytest.TempPathFactory):
-    """`pagoda bench serve` at 3 requests/s on each engine, for longer than the test runs."""
+def load(prometheus: str, engines: Engines, tmp_path_factory: pytest.TempPathFactory):
+    """`pagoda bench serve` at 3 requests/s on each engine, for longer than the test runs
+    (the requests sent while the engines restart fail)."""
     log = tmp_path_factory.mktemp("bench") / "bench.log"
     processes = []
     with open(log, "w") as out:
-        for base_url in engines:
+        for base_url in engines.urls:
             command = [
                 sys.executable, "-m", "inference.cli", "bench", "serve", "--base-url", base_url,
-                "--num-prompts", "1000", "--request-rate", "3", "--input-len", "32",
+                "--num-prompts", "5000", "--request-rate", "3", "--input-len", "32",
                 "--output-len", "16", "--request-timeout-s", "300",
             ]  # fmt: skip
             processes.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=out))
@@ -368,6 +418,110 @@ def test_unreachable_prometheus_or_missing_series_hold_and_say_so(
         timeout=DEADLINE_S,
         what="the MetricsUnreachable event",
     )
+
+
+def test_auto_change_that_rolls_out_is_judged_on_the_windows_after_it_and_kept(
+    cluster: EmulatedCluster, prometheus: str, engines: Engines
+) -> None:
+    # The default cooldown, and maxNumSeqs may go no higher than 8: one change in this test.
+    manifest = tuned_llmd(
+        KEPT, prometheus, "Auto", cooldownSeconds=600, bounds={"maxNumSeqs": {"min": 2, "max": 8}}
+    )
+    cluster.create(llmd_path(NAMESPACE), manifest)
+    wait_for(
+        lambda: cluster.get(deployment_path(NAMESPACE, KEPT)),
+        timeout=DEADLINE_S,
+        what="the Deployment",
+    )
+    pods_status(cluster, KEPT, updated=2, ready=2)  # the engines serve it already
+
+    applied = wait_for(
+        lambda: decision_with(cluster, "watching", KEPT), timeout=DEADLINE_S, what="a change"
+    )
+    assert (applied["action"], applied["knob"], applied["from"], applied["to"]) == (
+        "change", "maxNumSeqs", 4, 8,
+    )  # fmt: skip
+    assert applied["inputs"]["requestsWaiting"] > 0
+    wait_for(
+        lambda: deployed_max_num_seqs(cluster, KEPT) == "8",
+        timeout=DEADLINE_S,
+        what="the Deployment rolled to --max-num-seqs 8",
+    )
+    # Nothing is judged while the engines still run the old value.
+    wait_for(
+        lambda: last_reason(cluster, KEPT).startswith("waiting for the rollout of maxNumSeqs"),
+        timeout=DEADLINE_S,
+        what="the tuner waiting for the rollout",
+    )
+    assert decision_with(cluster, "watching", KEPT) is not None
+
+    # The rollout, as the controller manager and the kubelet would do it: the pods go, new
+    # ones start with --max-num-seqs 8 and the Deployment counts them once they are ready.
+    pods_status(cluster, KEPT, updated=0, ready=0)
+    engines.roll_out(max_num_seqs=8)
+    pods_status(cluster, KEPT, updated=2, ready=2)
+    wait_for(
+        lambda: live_max_num_seqs(prometheus, KEPT) == {"8"},
+        timeout=DEADLINE_S,
+        what="Prometheus seeing both engines at --max-num-seqs 8",
+    )
+
+    kept = wait_for(
+        lambda: next(
+            (
+                d for d in tuning(cluster, KEPT).get("decisions") or []
+                if d["outcome"].startswith("kept: ")
+            ),
+            None,
+        ),
+        timeout=DEADLINE_S,
+        what="the change judged and kept",
+    )  # fmt: skip
+    assert (kept["action"], kept["knob"], kept["from"], kept["to"], kept["mode"]) == (
+        "change", "maxNumSeqs", 4, 8, "Auto",
+    )  # fmt: skip
+    verdict = kept["outcome"].removeprefix("kept: ")
+    assert verdict.startswith("kept maxNumSeqs 4 -> 8: "), verdict
+    wait_for(
+        lambda: f"TuningKept: {verdict}" in events(cluster),
+        timeout=DEADLINE_S,
+        what="the TuningKept event",
+    )
+    # Kept: the override stays, the spec is the user's, and the engines keep running 8.
+    evaluations_after(cluster, KEPT, 2)
+    status = tuning(cluster, KEPT)
+    assert status["overrides"] == {"maxNumSeqs": {"value": 8, "specValue": 4}}
+    assert not status.get("banned")
+    assert [d["outcome"] for d in status["decisions"]] == [kept["outcome"]]
+    assert user_max_num_seqs(cluster, KEPT) == 4
+    assert deployed_max_num_seqs(cluster, KEPT) == "8"
+    assert llmd_status(cluster, NAMESPACE, KEPT)["effective"]["maxNumSeqs"] == 8
+
+
+def pods_status(cluster: EmulatedCluster, name: str, *, updated: int, ready: int) -> None:
+    """The Deployment's status as the controller manager writes it for its current
+    generation: of its 2 pods, ``updated`` run the current template, ``ready`` are ready."""
+    path = deployment_path(NAMESPACE, name)
+    generation = (cluster.get(path) or {})["metadata"]["generation"]
+    status = {
+        "observedGeneration": generation,
+        "replicas": 2,
+        "updatedReplicas": updated,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+    }
+    cluster.patch(path + "/status", {"status": status})
+
+
+def live_max_num_seqs(prometheus: str, name: str) -> set[str]:
+    """The maxNumSeqs each engine of ``name`` reports, as the tuner reads them."""
+    query = f'pagoda:engine_config_info{{namespace="{NAMESPACE}",llmdeployment="{name}"}}'
+    response = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}, timeout=10)
+    return {item["metric"]["max_num_seqs"] for item in response.json()["data"]["result"]}
+
+
+def last_reason(cluster: EmulatedCluster, name: str) -> str:
+    return tuning(cluster, name).get("lastDecision", {}).get("reason", "")
 
 
 def test_tuner_calls_stay_within_the_cluster_role(cluster: EmulatedCluster) -> None:

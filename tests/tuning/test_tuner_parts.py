@@ -7,6 +7,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from pagoda_operator.desired import desired_objects
@@ -202,14 +203,16 @@ class FakeApi:
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict) or not isinstance(target, dict):
+    """RFC 7386, as the API server applies it: a null removes its key at any depth, also
+    inside an object the patch adds."""
+    if not isinstance(patch, dict):
         return patch
-    result = dict(target)
+    result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
             result.pop(key, None)
         else:
-            result[key] = merge_patch(target.get(key), value)
+            result[key] = merge_patch(result.get(key), value)
     return result
 
 
@@ -218,6 +221,7 @@ def run_window(
     observation: Observation,
     status: dict[str, Any] | None = None,
     interleave: Any = None,
+    now: float | None = None,
     **tuning: Any,
 ):
     llmd = {
@@ -243,6 +247,7 @@ def run_window(
             window_s=60,
             apply_owned=apply_owned,
             observe_fn=observe,
+            clock=time.time if now is None else lambda: now,
         )
     )
     return tuning_status, api, events, applied
@@ -321,6 +326,65 @@ def test_a_rollout_that_does_not_complete_in_time_is_reverted_and_banned() -> No
     assert [s["engine"]["maxNumSeqs"] for s in applied] == [64]
     assert tuning["banned"][0]["knob"] == MAX_NUM_SEQS and tuning["banned"][0]["value"] == 128
     assert ("Warning", "TuningReverted") in [e[:2] for e in events]
+
+
+def test_a_change_whose_rollout_completes_is_judged_on_the_window_after_it_and_kept() -> None:
+    """Each window starts from the status as the API server stored it: a key the last
+    window wrote as None (``settledTime`` of a change not yet rolled out) is not there."""
+    queued = Observation(QUEUED_WITH_FREE_KV)
+    first, api, _, _ = run_window("Auto", queued, now=0)
+    changed, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=60)
+    assert changed["decisions"][-1]["outcome"] == "watching"
+    rolling, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=120)
+    assert rolling["lastDecision"]["reason"] == "waiting for the rollout of maxNumSeqs 64 -> 128"
+
+    # Rolled out: the Deployment counts its pods updated and ready, and every engine
+    # reports the new value; the queue is gone.
+    status = {**api.llmd["status"], "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+    live = [{"max_num_seqs": "128", "gpu_memory_utilization": "0.9"}] * 2
+    served = Observation(
+        dataclasses.replace(QUEUED_WITH_FREE_KV, requests_waiting=0.0, ttft_p95_s=0.6), live=live
+    )
+    settling, api, _, _ = run_window("Auto", served, status, now=180)
+    assert settling["lastDecision"]["reason"] == (
+        "watching the first full window after maxNumSeqs 64 -> 128"
+    )
+    status = {**api.llmd["status"], "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+    judged, api, events, applied = run_window("Auto", served, status, now=240)
+    verdict = "kept maxNumSeqs 64 -> 128: TTFT p95 2.5s -> 0.6s"
+    assert judged["lastDecision"]["verdict"] == verdict
+    assert [d["outcome"] for d in judged["decisions"]] == ["kept: " + verdict]
+    assert ("Normal", "TuningKept", verdict) in events
+    assert api.llmd["status"]["tuning"]["overrides"] == {
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    }
+    assert api.llmd["status"]["tuning"]["state"].get("pending") is None
+    assert applied == []  # nothing to render again: the override stays as it is
+    status = {**api.llmd["status"], "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2}
+    later, api, events, _ = run_window("Auto", served, status, now=250)
+    assert "verdict" not in api.llmd["status"]["tuning"]["lastDecision"]  # judged once
+    assert [d["outcome"] for d in later["decisions"]] == ["kept: " + verdict]
+    assert [e for e in events if e[1] == "TuningKept"] == []
+
+
+def test_each_window_replaces_what_the_last_one_wrote() -> None:
+    """Through the API's merge patch, a field the last window wrote and this one leaves out
+    (the knob of the last decision, the verdict of the change it judged, a knob no longer
+    fixed) would stay as it was; the tuner removes it."""
+    queued = Observation(QUEUED_WITH_FREE_KV)
+    _, api, _, _ = run_window("Auto", queued, now=0)
+    changed, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=60)
+    assert changed["lastDecision"]["knob"] == MAX_NUM_SEQS
+    _, api, _, _ = run_window(
+        "Auto", queued, copy.deepcopy(api.llmd["status"]), now=120, pinned=["replicas"]
+    )
+    stored = api.llmd["status"]["tuning"]
+    assert stored["lastDecision"]["action"] == "hold"
+    assert {"knob", "old", "new"}.isdisjoint(stored["lastDecision"])
+    assert set(stored["fixed"]) == {REPLICAS}
+    _, api, _, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=130)
+    assert "fixed" not in api.llmd["status"]["tuning"]  # unpinned
+    assert api.llmd["status"]["tuning"]["state"]["pending"]["to"] == 128  # the rest stays
 
 
 def test_engines_restarting_during_the_rollout_revert_it_at_once() -> None:

@@ -42,9 +42,12 @@ def watch_pending(
         if failure is not None:
             return revert(state, f"reverted {change}: {failure}", now, limits, config)
         return Decision("hold", f"waiting for the rollout of {change}")
-    if pending["settledTime"] is None:
-        pending["settledTime"] = now
-    if now - pending["settledTime"] < snapshot.window_s:
+    # Written as None while the rollout ran, so absent from the stored state: in a merge
+    # patch of the status (RFC 7386) a null removes its key.
+    settled = pending.get("settledTime")
+    if settled is None:
+        pending["settledTime"] = settled = now
+    if now - settled < snapshot.window_s:
         return Decision("hold", f"watching the first full window after {change}")
     worse = _made_worse(pending, snapshot, limits, config)
     if worse is None:

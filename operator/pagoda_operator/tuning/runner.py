@@ -96,7 +96,14 @@ async def tune(
     now = clock()
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         window = decide_window(fresh, observation, now)
-        logger.info("Tuner %s: %s", window.decision.action, window.decision.reason)
+        decision = window.decision
+        judged = decision.verdict not in (None, decision.reason)  # a revert says it already
+        logger.info(
+            "Tuner %s: %s%s",
+            decision.action,
+            decision.reason,
+            f" (judged: {decision.verdict})" if judged else "",
+        )
         try:
             written = await client.patch_status(
                 path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
@@ -177,10 +184,22 @@ def decide_window(llmd: dict[str, Any], observation: Observation, now: float) ->
     conditions = set_condition(status.get("conditions"), condition, stamp)
     return Window(
         decision,
-        {"tuning": tuning, "conditions": conditions},
+        {"tuning": replacing(previous, tuning), "conditions": conditions},
         events,
         overrides_changed=overrides != recorded,
     )
+
+
+def replacing(before: Any, after: Any) -> Any:
+    """A merge patch that leaves ``after`` where ``before`` is: ``after``, with a null for
+    each key of ``before`` it lacks, at any depth. The status is written by merge patch
+    (RFC 7386), which keeps a key the patch leaves out: without the nulls, a field of the
+    last window (the knob of its decision, a verdict) would outlive it."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return after
+    patch: dict[str, Any] = {key: None for key in before if key not in after}
+    patch.update({key: replacing(before.get(key), value) for key, value in after.items()})
+    return patch
 
 
 class CredentialsError(Exception):
