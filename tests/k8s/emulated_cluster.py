@@ -158,15 +158,17 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
 
 def _merged(current: Any, patch: Any) -> Any:
-    if isinstance(current, dict) and isinstance(patch, dict):
-        result = dict(current)
-        for key, value in patch.items():
-            if value is None:
-                result.pop(key, None)
-            else:
-                result[key] = _merged(current.get(key), value)
-        return result
-    return patch
+    """A JSON merge patch (RFC 7386) applied to ``current``: a null removes its key, also
+    inside an object the patch adds."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(current) if isinstance(current, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merged(result.get(key), value)
+    return result
 
 
 class EmulatedCluster:
