@@ -113,7 +113,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             current = self._current(request)
             if current is not None and "spec" in request.data:
                 if json.dumps(current.get("spec"), sort_keys=True) != json.dumps(
-                    _merged(current.get("spec"), request.data["spec"]), sort_keys=True
+                    merge_patch(current.get("spec"), request.data["spec"]), sort_keys=True
                 ):
                     meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
 
@@ -157,7 +157,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 await self._collect_garbage(uid)
 
 
-def _merged(current: Any, patch: Any) -> Any:
+def merge_patch(current: Any, patch: Any) -> Any:
     """A JSON merge patch (RFC 7386) applied to ``current``: a null removes its key, also
     inside an object the patch adds."""
     if not isinstance(patch, dict):
@@ -167,7 +167,7 @@ def _merged(current: Any, patch: Any) -> Any:
         if value is None:
             result.pop(key, None)
         else:
-            result[key] = _merged(result.get(key), value)
+            result[key] = merge_patch(result.get(key), value)
     return result
 
 

@@ -652,8 +652,8 @@ def test_image_entry_point_runs_the_same_operator(tmp_path: Path) -> None:
 def test_the_emulator_applies_merge_patches_as_rfc_7386() -> None:
     """A null removes its key, also inside an object the patch adds (the emulator decides
     generation bumps from the merged spec)."""
-    from k8s.emulated_cluster import _merged
+    from k8s.emulated_cluster import merge_patch
 
-    assert _merged({"a": 1}, {"b": {"c": None, "d": 2}}) == {"a": 1, "b": {"d": 2}}
-    assert _merged({"a": {"x": 1, "y": 2}}, {"a": {"x": None}}) == {"a": {"y": 2}}
-    assert _merged({"a": [1]}, {"a": [2], "b": None}) == {"a": [2]}
+    assert merge_patch({"a": 1}, {"b": {"c": None, "d": 2}}) == {"a": 1, "b": {"d": 2}}
+    assert merge_patch({"a": {"x": 1, "y": 2}}, {"a": {"x": None}}) == {"a": {"y": 2}}
+    assert merge_patch({"a": [1]}, {"a": [2], "b": None}) == {"a": [2]}

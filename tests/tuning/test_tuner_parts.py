@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from k8s.emulated_cluster import merge_patch
 from pagoda_operator.desired import desired_objects
 from pagoda_operator.kube import KubeError
 from pagoda_operator.overrides import effective_spec
@@ -200,20 +201,6 @@ class FakeApi:
         self.llmd["status"] = merge_patch(self.llmd.get("status") or {}, status)
         self.llmd["metadata"]["resourceVersion"] += "1"
         return copy.deepcopy(self.llmd)
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies it: a null removes its key at any depth, also
-    inside an object the patch adds."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def run_window(
