@@ -24,22 +24,17 @@ import torch
 from kernels import _gemv_table
 from kernels._backend import kernel_for, num_sms
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
+from kernels.fp8_quant import (  # noqa: F401 (the scheme's constants, re-exported)
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    quantize_per_token,
+    quantize_per_token_ref,
+)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# vLLM's floor on a dynamic activation scale: an all-zero row quantizes to zeros, not NaN.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # Largest token count the Triton kernel takes (its fma loop keeps one accumulator per row).
 # Above it the step is compute-bound enough for cuBLASLt's FP8 tensor cores.
 MAX_M = FMA_MAX_M
-
-
-def quantize_per_token_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]): the dynamic
-    per-token activation quantization every path applies."""
-    rows32 = rows.float()
-    scale = (rows32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (rows32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -116,7 +111,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     rows = x.reshape(-1, x.shape[-1])
-    x_q, x_scale = quantize_per_token_ref(rows)
+    x_q, x_scale = quantize_per_token(rows)
     result = torch._scaled_mm(
         x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
         out_dtype=torch.bfloat16,

@@ -1,0 +1,55 @@
+"""Triton kernel of ``kernels.fp8_quant``: one program per token row; the row's amax,
+then ``row / scale`` clamped and rounded to float8_e4m3fn (round to nearest even, as
+torch's cast)."""
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
+# Rows up to this many elements are held in registers and read once; longer rows are read
+# twice (amax, then quantize), the second time mostly from L2.
+ONE_PASS_MAX = 8192
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+    BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if ONE_PASS:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < K)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + offs
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        for k in range(0, K, BLOCK_K):
+            ks = k + offs
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            tl.store(q_row + ks, q.to(tl.float8e4nv), mask=ks < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = rows.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=rows.device)
+    block_k = min(triton.next_power_of_2(k), ONE_PASS_MAX)
+    num_warps = 1 if block_k <= 256 else 4 if block_k <= 2048 else 8
+    _quantize_kernel[(m,)](
+        rows, q, scale, k, rows.stride(0), q.stride(0),
+        BLOCK_K=block_k, ONE_PASS=k <= block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return q, scale
