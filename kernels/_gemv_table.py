@@ -1,6 +1,8 @@
 """Which Triton GEMV config runs a small-M linear on the GPU, or None for cuBLAS.
 
 Plain Python (no Triton import), so ``kernels.linear`` can decide without loading Triton.
+``FP8_TABLE``/``lookup_fp8`` do the same for the FP8 skinny GEMM (``kernels.fp8_linear``),
+filled from ``python -m inference.bench.gemv_check --fp8`` (``fp8_table_from_sweep``).
 ``TABLE`` holds the shapes measured on one H200 with ``inference/bench/gemv_check.py``
 (bf16, CUDA-graph replay, weights rotated past L2); ``heuristic`` covers the interpreter
 and the sweep's starting points.
@@ -13,7 +15,9 @@ FMA_MAX_M = 8  # the fma kernel keeps one accumulator per token row, 8 at most
 
 @dataclass(frozen=True)
 class GemvConfig:
-    kind: str  # "fma" (elementwise FMAs, M <= 8) or "dot" (tl.dot, M padded to 16)
+    # "fma" (elementwise FMAs, M <= 8) or "dot" (tl.dot, M padded to 16); FP8 adds "fmaq"
+    # and "dotq": the same with the activations quantized by a separate launch first.
+    kind: str
     block_n: int
     block_k: int
     split_k: int = 1
@@ -138,3 +142,54 @@ def lookup_gated(m: int, n2: int, k: int) -> GemvConfig | None:
         if m <= max_m:
             return config
     return None
+
+
+# FP8 skinny GEMM (``kernels/_triton/fp8_linear.py``): (N, K) -> [(largest M, config)], M
+# ascending, as TABLE; M past the last entry of a listed shape, and shapes not listed, take
+# ``fp8_heuristic``. Filled from an H200 sweep (``gemv_check --fp8``): paste
+# ``table_source(fp8_table_from_sweep(json))`` here.
+FP8_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {}
+
+
+def fp8_heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """An FP8 config for any M <= FMA_MAX_M: the fma kernel over 16-element (16-byte) fp8
+    runs, one to four rows a program, enough programs in flight (>= 4 per SM) before
+    split-K; activations quantized inside the kernel (no extra launch)."""
+    block_k = max(16, min(2048 if m <= 2 else 1024, _next_pow2(k)))
+    block_n = 4 if m <= 2 else 2
+    while block_n > 1 and -(-n // block_n) < 4 * num_sms:
+        block_n //= 2
+    split = 1
+    while -(-n // block_n) * split < 2 * num_sms and split * 2 * block_k <= k:
+        split *= 2
+    return GemvConfig(
+        "fma", block_n, block_k, split, num_warps=8 if block_n * block_k > 4096 else 4
+    )
+
+
+def lookup_fp8(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    for max_m, config in FP8_TABLE.get((n, k), ()):
+        if m <= max_m:
+            return config
+    return fp8_heuristic(m, n, k, num_sms)
+
+
+def fp8_table_from_sweep(sweep: dict) -> dict[tuple[int, int], list[tuple[int, GemvConfig]]]:
+    """A ``gemv_check --fp8`` JSON's ``fp8_table`` ("N,K" -> [[M, config fields]]) as
+    FP8_TABLE entries; a measured M covers the M up to it (M sorted)."""
+    table: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {}
+    for key, entries in sweep["fp8_table"].items():
+        n, k = (int(v) for v in key.split(","))
+        table[(n, k)] = sorted(
+            ((int(m), GemvConfig(**fields)) for m, fields in entries), key=lambda e: e[0]
+        )
+    return table
+
+
+def table_source(table: dict[tuple[int, int], list[tuple[int, GemvConfig]]]) -> str:
+    """Python source of a table's entries, one shape a line (to paste into FP8_TABLE)."""
+    lines = []
+    for (n, k), entries in sorted(table.items()):
+        items = ", ".join(f"({m}, {config!r})" for m, config in entries)
+        lines.append(f"    ({n}, {k}): [{items}],")
+    return "\n".join(lines)

@@ -11,10 +11,11 @@ Three implementations of that one signature, chosen by shapes, dtypes and device
 captured CUDA graph replays what was captured):
 
 - the Triton skinny GEMM (``kernels/_triton/fp8_linear.py``) for decode-sized steps
-  (M <= ``MAX_M``): a weight stream of half the bf16 bytes, the activation scale computed
-  inside the kernel (no extra launch);
+  (M <= ``MAX_M``): a weight stream of half the bf16 bytes, fma or tensor-core kernels,
+  the config from ``_gemv_table.lookup_fp8`` (H200-measured table, heuristic fallback);
 - ``torch._scaled_mm`` (cuBLASLt, FP8 tensor cores, row-wise scales) on CUDA for larger M
-  with bf16/fp16 activations and N, K multiples of 16;
+  with bf16/fp16 activations and N, K multiples of 16, its activations quantized by one
+  Triton launch (``quantize_per_token``);
 - ``fp8_linear_ref``, plain torch in float32 (dequantized fp8 operands, which multiply
   exactly), everywhere else: CPU, float32 activations, odd shapes.
 """
@@ -89,12 +90,11 @@ def use_scaled_mm(n: int, k: int, dtype: torch.dtype, device_type: str) -> bool:
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
-    """The Triton config for this case, or None (cuBLASLt or the reference). Not yet
-    tuned per shape on the GPU: the bf16 table's heuristic, whose fma configs are sized by
-    program count, not by bytes per element."""
+    """The Triton config for this case (``_gemv_table.lookup_fp8``: the H200-measured
+    FP8 table, else its heuristic), or None (cuBLASLt or the reference)."""
     if not 1 <= m <= MAX_M:
         return None
-    return _gemv_table.heuristic(m, n, k, num_sms(device))
+    return _gemv_table.lookup_fp8(m, n, k, num_sms(device))
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -106,6 +106,15 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if weight.device != x.device:
         return False
     return bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype)
+
+
+def quantize_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token_ref`` in one Triton launch where Triton runs (amax, scale and
+    cast; the reference is five or more torch launches), else the reference."""
+    triton_ops = kernel_for("fp8_linear", rows)
+    if triton_ops is not None and rows.stride(-1) == 1:
+        return triton_ops.quantize_per_token(rows)
+    return quantize_per_token_ref(rows)
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

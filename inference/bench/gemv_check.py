@@ -2,8 +2,11 @@
 
     PYTHONUNBUFFERED=1 python3 inference/bench/gemv_check.py [--mode sweep|confirm]
         [--out PATH] [--budget-s 270] [--workers 14]
+    python -m inference.bench.gemv_check --fp8 --out $OUT/fp8_sweep.json
 
-Run it as a file (not ``-m inference...``): it imports only ``kernels``, torch and triton.
+It imports only ``kernels``, torch and triton (as a file or with ``-m``). ``--fp8`` runs the
+FP8 skinny GEMM sweep instead (``inference/bench/gemv_fp8.py``: kinds and tilings against the
+bf16 path and cuBLASLt's FP8 GEMM, the JSON ``kernels._gemv_table.FP8_TABLE`` is filled from).
 
 For the projection shapes of Qwen2.5-1.5B, Qwen2.5-7B and Llama-3-8B (qkv, o, gate_up,
 down; LM head last, if time is left) and M = 1, 2, 4, 8, 16, in bf16:
@@ -40,6 +43,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import kernels  # noqa: E402
+from inference.bench import gemv_fp8  # noqa: E402
 from kernels import _gemv_table  # noqa: E402
 from kernels._float64 import rel_err, silu_and_mul64  # noqa: E402
 from kernels._gemv_table import GemvConfig  # noqa: E402
@@ -591,12 +595,19 @@ def main() -> None:
     parser.add_argument("--mode", choices=("sweep", "confirm"), default="confirm")
     parser.add_argument("--out", default=None)
     parser.add_argument("--explore", action="store_true", help="confirm: then try more tilings")
-    parser.add_argument("--budget-s", type=float, default=270.0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the run (default 270; --fp8: 220)")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 skinny GEMM sweep")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=MODELS)
     parser.add_argument("--ms", nargs="+", type=int, choices=MS, default=list(MS))
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    gemv_fp8.add_arguments(parser)
     args = parser.parse_args()
-    deadline = time.monotonic() + args.budget_s
+    if args.fp8:
+        args.budget_s = 220.0 if args.budget_s is None else args.budget_s
+        gemv_fp8.run(args)
+        return
+    deadline = time.monotonic() + (270.0 if args.budget_s is None else args.budget_s)
     MODELS[:] = args.models
     MS_RUN[:] = args.ms
     _path = out_path(args)

@@ -1,19 +1,33 @@
-"""Triton FP8 skinny GEMM for decode-sized steps (M <= 8): ``kernels.fp8_linear``'s W8A8
-scheme with float8_e4m3fn weights and per-token dynamic activation scales.
+"""Triton FP8 skinny GEMM for decode-sized steps (M <= 8) and the per-token activation
+quantization: ``kernels.fp8_linear``'s W8A8 scheme with float8_e4m3fn weights and dynamic
+per-token activation scales.
 
-The structure is the bf16 ``fma`` GEMV's (``kernels/_triton/linear.py``): a program owns
-``BLOCK_N`` weight rows x a K slice, streams ``[BLOCK_N, BLOCK_K]`` weight tiles with
-16-byte ``evict_first`` loads (16 fp8 elements, half the bytes of bf16 for the same
-work), and keeps one float32 accumulator per token row, folded in-thread and reduced over
-K once after the loop. What is new:
+At batch 1 an H200 streams ~4.8 T fp8 weight elements a second, which leaves a handful of
+ALU operations per weight element: the first version (x re-quantized on every
+``[BLOCK_N, BLOCK_K]`` tile, once per weight row) was ALU-bound and slower than bf16. Each
+kernel here keeps the per-weight-element work at a conversion and an FMA, or hands the
+weights to the tensor cores untouched. Four config kinds (``GemvConfig.kind``):
 
-- each program first computes its rows' activation scales (``amax / 448`` over all of K:
-  x is a few KB, read from L2), so the quantization costs no launch of its own;
-- x is rounded to float8_e4m3fn in registers as it is used (``x / scale``, clamped), so
-  the products are exactly the reference's fp8 x fp8 products;
-- the float32 sum is scaled by ``x_scale[m] * weight_scale[n]`` before the bias, or before
-  the split-K partials go to the workspace (the bf16 kernel's fixed-order reduce then adds
-  the bias and casts: deterministic, CUDA-graph safe).
+- ``fma``: the bf16 fma GEMV's structure (``kernels/_triton/linear.py``): a program owns
+  ``BLOCK_N`` weight rows x a K slice, 16-byte ``evict_first`` weight loads, one float32
+  accumulator per token row, folded in-thread. The program computes its rows' activation
+  scales first (a pass over x, from L2: no launch of its own), then quantizes each x K-tile
+  once as a 1-D vector and broadcasts it over the tile's rows.
+- ``fmaq``: the same loop over x quantized beforehand by ``_quantize_kernel`` (one extra
+  tiny launch; no amax pass per program), x loaded as fp8 in the weight tile's layout.
+- ``dot``: swap-AB tensor cores: ``out^T = W @ x^T`` with the fp8 weight tile
+  ``[BLOCK_N >= 64, BLOCK_K]`` as the MMA's A operand and the fp8-quantized x^T
+  ``[BLOCK_K, 16]`` (M padded to 16) as B, both K-major; the weights go from memory to the
+  MMA with no per-element work. float32 partial sums are promoted every ``BLOCK_K``
+  (``max_num_imprecise_acc``), as cuBLASLt's default (no fast accumulation) does.
+- ``dotq``: the same over x quantized beforehand.
+
+The float32 sum is scaled by ``x_scale[m] * weight_scale[n]`` before the bias, or before the
+split-K partials go to the workspace (a fixed-order reduce then adds the bias and casts:
+deterministic, CUDA-graph safe, nothing read back to the host).
+
+``quantize_per_token`` (``_quantize_kernel``: amax, scale and cast in one launch, a program
+per row) is also what the cuBLASLt path (M > 8) quantizes activations with.
 """
 
 import torch
@@ -21,10 +35,38 @@ import triton
 import triton.language as tl
 
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
-from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel, _x_row
+from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
+DOT_BLOCK_M = 16  # tl.dot's smallest operand side: M = 1..8 padded to it
+KINDS = ("fma", "fmaq", "dot", "dotq")
+QUANT_BLOCK = 1024  # elements of a row a quantize program handles a step
+
+
+@triton.jit
+def _quantize(xv, scale):
+    # The scheme's rounding: x / scale, clamped to +-448, to float8_e4m3fn.
+    xv = xv / scale
+    return tl.minimum(tl.maximum(xv, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+    # One program a token row: amax over the row, the scale, then the fp8 row.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        ks = k + offs
+        xv = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    for k in range(0, K, BLOCK):
+        ks = k + offs
+        xv = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_qm + ks, _quantize(xv, scale), mask=ks < K)
 
 
 @triton.jit
@@ -41,12 +83,37 @@ def _row_scale(x_ptr, row, M, stride_xm, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _xq_row(x_ptr, row, scale, M, stride_xm, ks, zero_n, EVEN_K: tl.constexpr, K):
-    # Token row ``row`` of x, quantized to fp8 and widened back: the value the MMA of the
-    # scheme would see, in the weight tile's register layout.
-    xv = _x_row(x_ptr, row, M, stride_xm, ks, zero_n, EVEN_K, K) / scale
-    xv = tl.minimum(tl.maximum(xv, -FP8_MAX), FP8_MAX)
-    return xv.to(tl.float8e4nv).to(tl.float32)
+def _scale_of(x_ptr, xs_ptr, row, M, stride_xm, K, BLOCK_K: tl.constexpr, PREQUANT: tl.constexpr):
+    if PREQUANT:
+        return tl.load(xs_ptr + tl.minimum(row, M - 1))
+    else:
+        return _row_scale(x_ptr, row, M, stride_xm, K, BLOCK_K)
+
+
+@triton.jit
+def _xq_row(
+    x_ptr, row, scale, M, stride_xm, ks, zero_n, EVEN_K: tl.constexpr, K, PREQUANT: tl.constexpr
+):  # fmt: skip
+    # Token row ``row``'s K-tile as fp8 values widened to float32 (rows past M clamped to
+    # M - 1: their results are not stored). In-kernel quantization (``fma``): a [1, BLOCK_K]
+    # vector, quantized once per tile (not once per weight row) and broadcast over the rows.
+    # Pre-quantized (``fmaq``): loaded through the [BLOCK_N, BLOCK_K] broadcast pointer, as
+    # the bf16 kernel's ``_x_row``, so x arrives in the weight tile's register layout (no
+    # layout conversion through shared memory; a conversion per element, no rounding work).
+    base = x_ptr + tl.minimum(row, M - 1).to(tl.int64) * stride_xm
+    if PREQUANT:
+        ptrs = base + zero_n[:, None] + ks[None, :]
+        if EVEN_K:
+            xv = tl.load(ptrs)
+        else:
+            xv = tl.load(ptrs, mask=(ks < K)[None, :], other=0.0)
+        return xv.to(tl.float32)
+    else:
+        if EVEN_K:
+            xv = tl.load(base + ks)
+        else:
+            xv = tl.load(base + ks, mask=ks < K, other=0.0)
+        return _quantize(xv.to(tl.float32), scale).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -66,10 +133,10 @@ def _store_row(
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -79,7 +146,7 @@ def _fp8_gemv_kernel(
     w_scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N], dtype=tl.int32)
-    s0 = _row_scale(x_ptr, 0, M, stride_xm, K, BLOCK_K)
+    s0 = _scale_of(x_ptr, xs_ptr, 0, M, stride_xm, K, BLOCK_K, PREQUANT)
     s1 = s0
     s2 = s0
     s3 = s0
@@ -88,15 +155,15 @@ def _fp8_gemv_kernel(
     s6 = s0
     s7 = s0
     if ROWS > 1:
-        s1 = _row_scale(x_ptr, 1, M, stride_xm, K, BLOCK_K)
+        s1 = _scale_of(x_ptr, xs_ptr, 1, M, stride_xm, K, BLOCK_K, PREQUANT)
     if ROWS > 2:
-        s2 = _row_scale(x_ptr, 2, M, stride_xm, K, BLOCK_K)
-        s3 = _row_scale(x_ptr, 3, M, stride_xm, K, BLOCK_K)
+        s2 = _scale_of(x_ptr, xs_ptr, 2, M, stride_xm, K, BLOCK_K, PREQUANT)
+        s3 = _scale_of(x_ptr, xs_ptr, 3, M, stride_xm, K, BLOCK_K, PREQUANT)
     if ROWS > 4:
-        s4 = _row_scale(x_ptr, 4, M, stride_xm, K, BLOCK_K)
-        s5 = _row_scale(x_ptr, 5, M, stride_xm, K, BLOCK_K)
-        s6 = _row_scale(x_ptr, 6, M, stride_xm, K, BLOCK_K)
-        s7 = _row_scale(x_ptr, 7, M, stride_xm, K, BLOCK_K)
+        s4 = _scale_of(x_ptr, xs_ptr, 4, M, stride_xm, K, BLOCK_K, PREQUANT)
+        s5 = _scale_of(x_ptr, xs_ptr, 5, M, stride_xm, K, BLOCK_K, PREQUANT)
+        s6 = _scale_of(x_ptr, xs_ptr, 6, M, stride_xm, K, BLOCK_K, PREQUANT)
+        s7 = _scale_of(x_ptr, xs_ptr, 7, M, stride_xm, K, BLOCK_K, PREQUANT)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
@@ -116,17 +183,25 @@ def _fp8_gemv_kernel(
                 eviction_policy="evict_first",
             )  # fmt: skip
         w = w.to(tl.float32)
-        acc0 += _fold(w * _xq_row(x_ptr, 0, s0, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+        x0 = _xq_row(x_ptr, 0, s0, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+        acc0 += _fold(w * x0, VEC)
         if ROWS > 1:
-            acc1 += _fold(w * _xq_row(x_ptr, 1, s1, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            x1 = _xq_row(x_ptr, 1, s1, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc1 += _fold(w * x1, VEC)
         if ROWS > 2:
-            acc2 += _fold(w * _xq_row(x_ptr, 2, s2, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
-            acc3 += _fold(w * _xq_row(x_ptr, 3, s3, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            x2 = _xq_row(x_ptr, 2, s2, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc2 += _fold(w * x2, VEC)
+            x3 = _xq_row(x_ptr, 3, s3, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc3 += _fold(w * x3, VEC)
         if ROWS > 4:
-            acc4 += _fold(w * _xq_row(x_ptr, 4, s4, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
-            acc5 += _fold(w * _xq_row(x_ptr, 5, s5, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
-            acc6 += _fold(w * _xq_row(x_ptr, 6, s6, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
-            acc7 += _fold(w * _xq_row(x_ptr, 7, s7, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            x4 = _xq_row(x_ptr, 4, s4, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc4 += _fold(w * x4, VEC)
+            x5 = _xq_row(x_ptr, 5, s5, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc5 += _fold(w * x5, VEC)
+            x6 = _xq_row(x_ptr, 6, s6, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc6 += _fold(w * x6, VEC)
+            x7 = _xq_row(x_ptr, 7, s7, M, stride_xm, ks, zero_n, EVEN_K, K, PREQUANT)
+            acc7 += _fold(w * x7, VEC)
     _store_row(acc0, 0, s0, w_scale, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
                HAS_BIAS, USE_WS)  # fmt: skip
     if ROWS > 1:
@@ -148,6 +223,81 @@ def _fp8_gemv_kernel(
                    stride_om, HAS_BIAS, USE_WS)  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_dot_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PREQUANT: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    # Padding rows (M..BLOCK_M) load zeros: they quantize to zero and are not stored.
+    x_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
+    m_ok = (offs_m < M)[None, :]
+    if PREQUANT:
+        x_scale = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=1.0)
+    else:
+        amax = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + offs_k
+            xv = tl.load(x_cols + ks[:, None], mask=(ks < K)[:, None] & m_ok, other=0.0)
+            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k in range(k_start, k_start + k_per_split, BLOCK_K):
+        ks = k + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_cols + ks[:, None], mask=m_ok, other=0.0)
+        else:
+            w = tl.load(
+                w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                eviction_policy="evict_first",
+            )  # fmt: skip
+            xt = tl.load(x_cols + ks[:, None], mask=(ks < K)[:, None] & m_ok, other=0.0)
+        if not PREQUANT:
+            xt = _quantize(xt.to(tl.float32), x_scale[None, :])
+        acc = tl.dot(w, xt, acc, max_num_imprecise_acc=BLOCK_K)
+    w_scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    acc = acc * w_scale[:, None] * x_scale[None, :]
+    mask = (offs_n[:, None] < N) & m_ok
+    if USE_WS:
+        rows = (pid_k * M + offs_m).to(tl.int64)
+        tl.store(ws_ptr + rows[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += bias[:, None]
+        out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_per_token(
+    rows: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] (unit stride along K) -> (float8_e4m3fn [M, K], float32 scales [M, 1]),
+    ``kernels.fp8_linear.quantize_per_token_ref`` in one launch."""
+    m, k = rows.shape
+    if out is None:
+        out = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
+    if scale is None:
+        scale = torch.empty((m, 1), dtype=torch.float32, device=rows.device)
+    if m > 0:
+        block = min(QUANT_BLOCK, max(16, triton.next_power_of_2(k)))
+        _quantize_kernel[(m,)](
+            rows, out, scale, k, rows.stride(0), out.stride(0),
+            BLOCK=block, num_warps=4 if block >= 512 else 1,
+        )  # fmt: skip
+    return out, scale
+
+
 def launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -156,14 +306,19 @@ def launch(
     out: torch.Tensor,
     config: GemvConfig,
 ) -> torch.Tensor:
-    """out[M, N] = fp8 scheme of x[M, K] @ weight[N, K].T (+ bias); ``config`` must be an
-    fma config. ``x`` and ``weight`` need a unit stride along K, ``out`` along N."""
+    """out[M, N] = fp8 scheme of x[M, K] @ weight[N, K].T (+ bias); ``config.kind`` one of
+    ``KINDS``. ``x`` and ``weight`` need a unit stride along K, ``out`` along N."""
     m, k = x.shape
     n = weight.shape[0]
     if m == 0 or n == 0:
         return out
-    if k == 0 or config.kind != "fma" or m > FMA_MAX_M:
+    if k == 0 or config.kind not in KINDS or m > FMA_MAX_M:
         raise ValueError(f"unsupported FP8 GEMV case: M={m}, K={k}, {config.short()}")
+    prequant = config.kind.endswith("q")
+    if prequant:
+        x_in, x_scale = quantize_per_token(x)
+    else:
+        x_in, x_scale = x, out  # the scale argument is unused
     block_k = config.block_k
     split = max(1, min(config.split_k, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -171,14 +326,26 @@ def launch(
     use_ws = split > 1
     workspace = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if use_ws else out
     bias_arg = bias if bias is not None else out
-    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
-        x, weight, weight_scale, bias_arg, out, workspace,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        ROWS=_rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
-        HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0,
-        VEC=min(16 // weight.element_size(), block_k),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    grid = (triton.cdiv(n, config.block_n), split)
+    common = (
+        x_in, x_scale, weight, weight_scale, bias_arg, out, workspace,
+        m, n, k, x_in.stride(0), weight.stride(0), out.stride(0), k_per_split,
     )  # fmt: skip
+    if config.kind.startswith("fma"):
+        _fp8_gemv_kernel[grid](
+            *common,
+            ROWS=_rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
+            HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0,
+            VEC=min(16 // weight.element_size(), block_k), PREQUANT=prequant,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    else:
+        _fp8_gemv_dot_kernel[grid](
+            *common,
+            BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
+            HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, PREQUANT=prequant,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
     if use_ws:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](

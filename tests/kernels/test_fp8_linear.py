@@ -91,18 +91,25 @@ def test_activation_quantization() -> None:
     assert torch.isfinite(out).all() and out[2].eq(0).all()
 
 
-# fma with 1/2/4/8 row buckets, split-K (workspace + reduce), K not a multiple of the
-# tile, N not a multiple of the row block.
+# Every kind (in-kernel or separate activation quantization; fma or tensor-core dot) with
+# 1/2/4/8 row buckets, split-K (workspace + reduce), K not a multiple of the tile, N not a
+# multiple of the row block.
 CONFIGS = [
     (3, GemvConfig("fma", 4, 32)),
     (2, GemvConfig("fma", 2, 16, split_k=3)),
     (7, GemvConfig("fma", 4, 64, split_k=2)),
     (1, GemvConfig("fma", 8, 128)),
+    (5, GemvConfig("fmaq", 4, 32)),
+    (1, GemvConfig("fmaq", 2, 16, split_k=3)),
+    (8, GemvConfig("dot", 16, 32)),
+    (1, GemvConfig("dot", 16, 16, split_k=3)),
+    (4, GemvConfig("dotq", 32, 32, split_k=2)),
+    (1, GemvConfig("dotq", 16, 64)),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "config"), CONFIGS, ids=[c.short() for _, c in CONFIGS])
+@pytest.mark.parametrize(("m", "config"), CONFIGS, ids=[f"{m}-{c.short()}" for m, c in CONFIGS])
 def test_kernel_configs(dtype, m, config) -> None:
     from kernels._triton import fp8_linear as triton_fp8
 
@@ -113,6 +120,27 @@ def test_kernel_configs(dtype, m, config) -> None:
     again = torch.full_like(out, float("nan"))
     triton_fp8.launch(x, weight, scale, b, again, config)
     assert torch.equal(out, again)  # deterministic, split-K included
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k"), [(1, 70), (3, 2100), (2, 16)])
+def test_quantize_kernel_matches_reference(dtype, m, k) -> None:
+    """One launch (amax, scale, cast) = ``quantize_per_token_ref``: the same scale, and the
+    same fp8 bytes (a division may rarely round across an fp8 boundary: one step at most)."""
+    from kernels._triton.fp8_linear import quantize_per_token
+
+    torch.manual_seed(k)
+    x = (torch.randn(m, k) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+    x[0, :5] = 0.0
+    if m > 1:
+        x[1] = 0.0  # an all-zero row: the floor scale, zeros
+    x_q, x_scale = quantize_per_token(x)
+    ref_q, ref_scale = quantize_per_token_ref(x)
+    assert x_q.dtype == FP8_DTYPE and x_scale.shape == (m, 1)
+    assert torch.allclose(x_scale, ref_scale, rtol=1e-6, atol=0)
+    steps = (x_q.view(torch.int8).int() - ref_q.view(torch.int8).int()).abs()
+    assert steps.max() <= 1 and steps.float().mean() < 1e-3
+    assert rel_err(x_q.double() * x_scale.double(), x.double()) <= 0.04
 
 
 @pytest.mark.parametrize("m", [2, 12])  # the Triton kernel, then the reference's size
