@@ -89,8 +89,11 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
     return configs
 
 
-def _compile_key(m: int, n: int, k: int, bias: bool, config: GemvConfig) -> tuple:
-    """What Triton compiles separately (constexprs, specialisation), to compile each once."""
+def _compile_key(m: int, n: int, k: int, bias: bool, config: GemvConfig | None) -> tuple:
+    """What Triton compiles separately (constexprs, specialisation), to compile each once;
+    ``config`` None: the dispatched bf16 and FP8 paths of the case."""
+    if config is None:
+        return ("dispatch", m, n, k, bias)
     split = max(1, min(config.split_k, -(-k // config.block_k)))
     per = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     rows = 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
@@ -112,17 +115,24 @@ def operands(m: int, n: int, k: int, bias: bool, seed: int = 0):
 
 
 def _compile_worker(items: list[tuple]) -> int:
-    """Run each (m, n, k, bias, config) once so its kernels land in the disk cache."""
+    """Run each (m, n, k, bias, config) once so its kernels land in the disk cache (config
+    None: ``kernels.linear`` in bf16 and ``kernels.fp8_linear``, as dispatched)."""
     from kernels._triton import fp8_linear as triton_fp8
 
     done = 0
     for m, n, k, bias, config in items:
         try:
             x, w, s, b = operands(m, n, k, bias)
-            triton_fp8.launch(x, w, s, b, torch.empty(m, n, device=DEVICE, dtype=DTYPE), config)
+            if config is None:
+                kernels.linear(x, w.to(DTYPE), b)
+                kernels.fp8_linear(x, w, s, b)
+            else:
+                out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
+                triton_fp8.launch(x, w, s, b, out, config)
             done += 1
         except Exception as error:  # reported again (with the case) in the main process
-            print(f"compile failed {config.short()} m={m} n={n} k={k}: {error}"[:300])
+            name = config.short() if config else "dispatch"
+            print(f"compile failed {name} m={m} n={n} k={k}: {error}"[:300])
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     return done
@@ -384,7 +394,7 @@ def run(args: argparse.Namespace) -> None:
              for proj, shape in SHAPES[model].items()]  # fmt: skip
     try:
         items = [(m, n, k, bias, c) for _, _, n, k, bias in cases for m in args.fp8_ms
-                 for c in candidates(m, n, k, sms)]  # fmt: skip
+                 for c in [None, *candidates(m, n, k, sms)]]  # fmt: skip
         try:
             precompile(items, args.workers)
         except Exception:  # the cases compile on first use instead

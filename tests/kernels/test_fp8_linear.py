@@ -156,9 +156,100 @@ def test_into_out_and_leading_dims(m, triton_calls) -> None:
         fp8_linear(x, weight, scale, b, out=buffer[: m * 24 - 1])
 
 
+def test_dispatch_takes_the_fp8_table(monkeypatch, triton_calls) -> None:
+    """A shape in ``_gemv_table.FP8_TABLE`` runs its measured config up to its M; past it,
+    and for shapes not listed, the heuristic."""
+    from kernels import _gemv_table
+    from kernels._backend import num_sms
+
+    tuned = GemvConfig("dotq", 16, 32, split_k=2)
+    monkeypatch.setattr(_gemv_table, "FP8_TABLE", {(24, 48): [(2, tuned)]})
+    for m in (1, 2, 3):
+        x, weight, scale, b = inputs(m, 24, 48, torch.bfloat16, bias=True, seed=m)
+        out = fp8_linear(x, weight, scale, b)
+        assert rel_err(out, fp8_linear64(x, weight, scale, b)) <= TOLERANCE[torch.bfloat16]
+    assert triton_calls[:2] == [tuned, tuned]
+    assert triton_calls[2] == _gemv_table.fp8_heuristic(3, 24, 48, num_sms(torch.device("cpu")))
+
+
+def test_quantize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantize_per_token`` (the cuBLASLt path's activation quantization): one Triton
+    launch where Triton runs, the reference otherwise."""
+    from kernels._triton import fp8_linear as triton_fp8
+    from kernels.fp8_linear import quantize_per_token
+
+    calls: list[int] = []
+    original = triton_fp8.quantize_per_token
+    monkeypatch.setattr(triton_fp8, "quantize_per_token",
+                        lambda rows: (calls.append(rows.shape[0]), original(rows))[1])  # fmt: skip
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    x_q, x_scale = quantize_per_token(x)
+    ref_q, ref_scale = quantize_per_token_ref(x)
+    assert calls == [5] and torch.allclose(x_scale, ref_scale, rtol=1e-6, atol=0)
+    assert rel_err(x_q.float(), ref_q.float()) <= 1e-2
+    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
+    x_q, x_scale = quantize_per_token(x)
+    assert calls == [5] and torch.equal(x_q.view(torch.int8), ref_q.view(torch.int8))
+
+
 def test_bad_operands_are_refused() -> None:
     x, weight, scale, _ = inputs(2, 8, 16, torch.float32, bias=False)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_linear(x, weight.float(), scale)
     with pytest.raises(ValueError, match="weight_scale"):
         fp8_linear(x, weight, scale[:4])
+
+
+# Compiled (not interpreted) for an H200 (sm_90, with the ptxas that ships with Triton): the
+# interpreter accepts code the compiler refuses (layouts, fp8 wgmma operands), and this
+# machine has no GPU. One config of each kind, with the split-K/odd-K/bias variants spread
+# over them, and the quantize kernel.
+AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels._triton import fp8_linear as f
+
+ARGS = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32"}
+INTS = ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "k_per_split"]
+
+def build(kernel, types, consts, warps, stages):
+    signature = {**types, **{k: "constexpr" for k in consts}}
+    constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
+    src = ASTSource(kernel, signature, constexprs=constexprs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+gemv = {**ARGS, **{i: "i32" for i in INTS}}
+prequant = {**gemv, "x_ptr": "*fp8e4nv"}
+build(f._fp8_gemv_kernel, gemv, dict(ROWS=8, BLOCK_N=4, BLOCK_K=512, USE_WS=False,
+      HAS_BIAS=True, EVEN_K=True, VEC=16, PREQUANT=False), 4, 1)
+build(f._fp8_gemv_kernel, prequant, dict(ROWS=2, BLOCK_N=2, BLOCK_K=1024, USE_WS=True,
+      HAS_BIAS=False, EVEN_K=False, VEC=16, PREQUANT=True), 8, 1)
+for quant, types in ((False, gemv), (True, prequant)):
+    dot = build(f._fp8_gemv_dot_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+                USE_WS=quant, HAS_BIAS=not quant, EVEN_K=quant, PREQUANT=quant), 4, 3)
+    assert "wgmma" in dot.asm["ptx"], "the dot kinds must run on Hopper's fp8 tensor cores"
+build(f._quantize_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+      "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "BLOCK": "constexpr"},
+      dict(BLOCK=1024), 4, 1)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_hopper() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
