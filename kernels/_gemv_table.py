@@ -144,49 +144,58 @@ def lookup_gated(m: int, n2: int, k: int) -> GemvConfig | None:
     return None
 
 
-# FP8 skinny GEMM (``kernels/_triton/fp8_linear.py``): (N, K) -> [(largest M, config)], M
-# ascending, as TABLE; M past the last entry of a listed shape, and shapes not listed, take
-# ``fp8_heuristic``. Filled from an H200 sweep (``gemv_check --fp8``): paste
-# ``table_source(fp8_table_from_sweep(json))`` here.
-FP8_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {}
+# FP8 skinny GEMM (``kernels/_triton/fp8_linear.py``): (N, K) -> [(largest M, config or
+# None = cuBLASLt's ``_scaled_mm``)], M ascending, as TABLE; M past the last entry of a
+# listed shape, and shapes not listed, take ``fp8_heuristic``. Filled from an H200 sweep
+# (``gemv_check --fp8``): paste ``table_source(fp8_table_from_sweep(json))`` here.
+FP8_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig | None]]] = {}
 
 
 def fp8_heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """An FP8 config for any M <= FMA_MAX_M: the fma kernel over 16-element (16-byte) fp8
-    runs, one to four rows a program, enough programs in flight (>= 4 per SM) before
-    split-K; activations quantized inside the kernel (no extra launch)."""
-    block_k = max(16, min(2048 if m <= 2 else 1024, _next_pow2(k)))
-    block_n = 4 if m <= 2 else 2
-    while block_n > 1 and -(-n // block_n) < 4 * num_sms:
-        block_n //= 2
+    """An FP8 config for any M <= FMA_MAX_M. M = 1: the fma kernel (activations quantized
+    in the kernel, no extra launch) over 16-element (16-byte) fp8 runs, 4 rows a program,
+    >= 4 programs per SM before split-K. M >= 2: the fma kernel's conversions and FMAs grow
+    with M (ALU-bound on an H200), so the swap-AB tensor-core kernel (64 weight rows a
+    program; >= 2 programs per SM before split-K)."""
+    if m == 1:
+        block_k = max(16, min(512, _next_pow2(k)))
+        block_n = 4
+        while block_n > 1 and -(-n // block_n) < 4 * num_sms:
+            block_n //= 2
+        kind, target, warps, stages = "fma", 2 * num_sms, 4, 1
+    else:
+        block_k = max(16, min(256, _next_pow2(k)))
+        block_n = 64
+        kind, target, warps, stages = "dot", 2 * num_sms, 4, 3
     split = 1
-    while -(-n // block_n) * split < 2 * num_sms and split * 2 * block_k <= k:
+    while -(-n // block_n) * split < target and split * 2 * block_k <= k:
         split *= 2
-    return GemvConfig(
-        "fma", block_n, block_k, split, num_warps=8 if block_n * block_k > 4096 else 4
-    )
+    return GemvConfig(kind, block_n, block_k, split, warps, stages)
 
 
-def lookup_fp8(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+def lookup_fp8(m: int, n: int, k: int, num_sms: int) -> GemvConfig | None:
+    """The FP8 config for M <= FMA_MAX_M (None: ``_scaled_mm`` measured faster)."""
     for max_m, config in FP8_TABLE.get((n, k), ()):
         if m <= max_m:
             return config
     return fp8_heuristic(m, n, k, num_sms)
 
 
-def fp8_table_from_sweep(sweep: dict) -> dict[tuple[int, int], list[tuple[int, GemvConfig]]]:
-    """A ``gemv_check --fp8`` JSON's ``fp8_table`` ("N,K" -> [[M, config fields]]) as
-    FP8_TABLE entries; a measured M covers the M up to it (M sorted)."""
-    table: dict[tuple[int, int], list[tuple[int, GemvConfig]]] = {}
+Fp8Table = dict[tuple[int, int], list[tuple[int, GemvConfig | None]]]
+
+
+def fp8_table_from_sweep(sweep: dict) -> Fp8Table:
+    """A ``gemv_check --fp8`` JSON's ``fp8_table`` ("N,K" -> [[M, config fields or None]])
+    as FP8_TABLE entries; a measured M covers the M up to it (M sorted)."""
+    table: Fp8Table = {}
     for key, entries in sweep["fp8_table"].items():
         n, k = (int(v) for v in key.split(","))
-        table[(n, k)] = sorted(
-            ((int(m), GemvConfig(**fields)) for m, fields in entries), key=lambda e: e[0]
-        )
+        rows = [(int(m), GemvConfig(**fields) if fields else None) for m, fields in entries]
+        table[(n, k)] = sorted(rows, key=lambda e: e[0])
     return table
 
 
-def table_source(table: dict[tuple[int, int], list[tuple[int, GemvConfig]]]) -> str:
+def table_source(table: Fp8Table) -> str:
     """Python source of a table's entries, one shape a line (to paste into FP8_TABLE)."""
     lines = []
     for (n, k), entries in sorted(table.items()):

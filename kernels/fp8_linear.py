@@ -91,7 +91,8 @@ def use_scaled_mm(n: int, k: int, dtype: torch.dtype, device_type: str) -> bool:
 
 def choose_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
     """The Triton config for this case (``_gemv_table.lookup_fp8``: the H200-measured
-    FP8 table, else its heuristic), or None (cuBLASLt or the reference)."""
+    FP8 table, else its heuristic), or None (cuBLASLt, where the table measured it faster
+    or M > MAX_M; else the reference)."""
     if not 1 <= m <= MAX_M:
         return None
     return _gemv_table.lookup_fp8(m, n, k, num_sms(device))

@@ -157,19 +157,22 @@ def test_into_out_and_leading_dims(m, triton_calls) -> None:
 
 
 def test_dispatch_takes_the_fp8_table(monkeypatch, triton_calls) -> None:
-    """A shape in ``_gemv_table.FP8_TABLE`` runs its measured config up to its M; past it,
-    and for shapes not listed, the heuristic."""
+    """A shape in ``_gemv_table.FP8_TABLE`` runs its measured config up to its M (None:
+    cuBLASLt, which on CPU means the reference); past it, and for shapes not listed, the
+    heuristic."""
     from kernels import _gemv_table
     from kernels._backend import num_sms
 
     tuned = GemvConfig("dotq", 16, 32, split_k=2)
-    monkeypatch.setattr(_gemv_table, "FP8_TABLE", {(24, 48): [(2, tuned)]})
-    for m in (1, 2, 3):
+    monkeypatch.setattr(_gemv_table, "FP8_TABLE", {(24, 48): [(2, tuned), (4, None)]})
+    for m in (1, 2, 3, 5):
         x, weight, scale, b = inputs(m, 24, 48, torch.bfloat16, bias=True, seed=m)
         out = fp8_linear(x, weight, scale, b)
         assert rel_err(out, fp8_linear64(x, weight, scale, b)) <= TOLERANCE[torch.bfloat16]
-    assert triton_calls[:2] == [tuned, tuned]
-    assert triton_calls[2] == _gemv_table.fp8_heuristic(3, 24, 48, num_sms(torch.device("cpu")))
+        if m == 3:
+            assert torch.equal(out, fp8_linear_ref(x, weight, scale, b))
+    cpu_sms = num_sms(torch.device("cpu"))
+    assert triton_calls == [tuned, tuned, _gemv_table.fp8_heuristic(5, 24, 48, cpu_sms)]
 
 
 def test_quantize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,25 +95,27 @@ def test_candidates_on_the_real_shapes() -> None:
                 configs = gemv_fp8.candidates(m, n, k, 132)
                 total += len(configs)
                 assert {c.kind for c in configs} == {"fma", "fmaq", "dot", "dotq"}
-                assert len(set(configs)) == len(configs) <= 26
+                assert len(set(configs)) == len(configs) <= 32
                 for config in configs:
                     assert config.split_k == 1 or config.split_k * config.block_k <= k
-    assert total <= 32 * 22
+    assert total <= 800  # ~3 min on one H200, compiles included
 
 
 def test_fp8_table_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = {"fp8_table": {"4608,3584": [[2, GemvConfig("dot", 64, 256, 2, 4, 3).__dict__],
-                                         [1, GemvConfig("fma", 4, 512).__dict__]]}}  # fmt: skip
+                                         [1, GemvConfig("fma", 4, 512).__dict__],
+                                         [8, None]]}}  # fmt: skip
     table = _gemv_table.fp8_table_from_sweep(sweep)
     assert table == {(4608, 3584): [(1, GemvConfig("fma", 4, 512)),
-                                    (2, GemvConfig("dot", 64, 256, 2, 4, 3))]}  # fmt: skip
+                                    (2, GemvConfig("dot", 64, 256, 2, 4, 3)), (8, None)]}  # fmt: skip
     source = _gemv_table.table_source(table)
     assert eval("{" + source + "}", {"GemvConfig": GemvConfig}) == table
     monkeypatch.setattr(_gemv_table, "FP8_TABLE", table)
     assert _gemv_table.lookup_fp8(1, 4608, 3584, 132) == GemvConfig("fma", 4, 512)
     assert _gemv_table.lookup_fp8(2, 4608, 3584, 132).kind == "dot"
-    heuristic = _gemv_table.lookup_fp8(3, 4608, 3584, 132)  # past the table: the heuristic
-    assert heuristic == _gemv_table.fp8_heuristic(3, 4608, 3584, 132)
+    assert _gemv_table.lookup_fp8(3, 4608, 3584, 132) is None  # cuBLASLt measured faster
+    assert _gemv_table.lookup_fp8(1, 3584, 3584, 132) == _gemv_table.fp8_heuristic(
+        1, 3584, 3584, 132)  # a shape not in the table  # fmt: skip
 
 
 @pytest.mark.parametrize("m", range(1, FMA_MAX_M + 1))
