@@ -54,6 +54,25 @@ def test_fp8_linear_matches_float64(n: int, k: int, m: int) -> None:
     assert rel_err(out, fp8_linear64(x, weight, scale, bias)) <= 1e-2
 
 
+@pytest.mark.parametrize("kind", ["fma", "fmaq", "dot", "dotq"])
+@pytest.mark.parametrize(("n", "k", "m"), [(4608, 3584, 1), (3584, 18944, 3), (1536, 1536, 8)])
+def test_fp8_gemv_kinds_match_float64(kind: str, n: int, k: int, m: int) -> None:
+    """Every FP8 GEMV kind, compiled, with and without split-K, against float64."""
+    from kernels._gemv_table import GemvConfig
+    from kernels._triton import fp8_linear as triton_fp8
+
+    x, weight, scale, bias = fp8_operands(n, k, m, seed=m)
+    truth = fp8_linear64(x, weight, scale, bias)
+    for split in (1, 4):
+        if kind.startswith("fma"):
+            config = GemvConfig(kind, 4, 512, split, 4)
+        else:
+            config = GemvConfig(kind, 64, 256, split, 4, 3)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        triton_fp8.launch(x, weight, scale, bias, out, config)
+        assert rel_err(out, truth) <= 1e-2, config.short()
+
+
 def test_fp8_decode_replays_in_a_cuda_graph() -> None:
     from kernels.fp8_linear import fp8_linear
 
