@@ -15,7 +15,7 @@ captured CUDA graph replays what was captured):
   the config from ``_gemv_table.lookup_fp8`` (H200-measured table, heuristic fallback);
 - ``torch._scaled_mm`` (cuBLASLt, FP8 tensor cores, row-wise scales) on CUDA for larger M
   with bf16/fp16 activations and N, K multiples of 16, its activations quantized by one
-  Triton launch (``quantize_per_token``);
+  Triton launch (``kernels.fp8_quant``);
 - ``fp8_linear_ref``, plain torch in float32 (dequantized fp8 operands, which multiply
   exactly), everywhere else: CPU, float32 activations, odd shapes.
 """
@@ -107,15 +107,6 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if weight.device != x.device:
         return False
     return bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype)
-
-
-def quantize_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_per_token_ref`` in one Triton launch where Triton runs (amax, scale and
-    cast; the reference is five or more torch launches), else the reference."""
-    triton_ops = kernel_for("fp8_linear", rows)
-    if triton_ops is not None and rows.stride(-1) == 1:
-        return triton_ops.quantize_per_token(rows)
-    return quantize_per_token_ref(rows)
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -11,7 +11,7 @@ holds the weights), next to
 
 - ``bf16``: ``kernels.linear`` on bf16 weights (the tuned bf16 table or cuBLAS),
 - ``scaled_mm``: ``torch._scaled_mm`` (row-wise scales) with the activation quantization
-  (``quantize_per_token``, one Triton launch) and the bias, i.e. the M > 8 path,
+  (``kernels.fp8_quant``, one Triton launch) and the bias, i.e. the M > 8 path,
 - ``shipped``: ``kernels.fp8_linear`` as dispatched now.
 
 The JSON (``--out``, or ``$OUT/fp8_sweep.json``) holds every timing, the best config per
@@ -221,7 +221,7 @@ time_us = graph_us  # the CPU test replaces the timer
 
 def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None):
     """cuBLASLt's FP8 GEMM with the one-launch activation quantization, + bias."""
-    from kernels._triton.fp8_linear import quantize_per_token
+    from kernels.fp8_quant import quantize_per_token
 
     x_q, x_scale = quantize_per_token(x)
     out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale, scale_b=s[None, :], out_dtype=DTYPE)

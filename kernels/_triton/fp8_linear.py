@@ -1,6 +1,5 @@
-"""Triton FP8 skinny GEMM for decode-sized steps (M <= 8) and the per-token activation
-quantization: ``kernels.fp8_linear``'s W8A8 scheme with float8_e4m3fn weights and dynamic
-per-token activation scales.
+"""Triton FP8 skinny GEMM for decode-sized steps (M <= 8): ``kernels.fp8_linear``'s W8A8
+scheme with float8_e4m3fn weights and dynamic per-token activation scales.
 
 At batch 1 an H200 streams ~4.8 T fp8 weight elements a second, which leaves a handful of
 ALU operations per weight element: the first version (x re-quantized on every
@@ -13,8 +12,8 @@ weights to the tensor cores untouched. Four config kinds (``GemvConfig.kind``):
   accumulator per token row, folded in-thread. The program computes its rows' activation
   scales first (a pass over x, from L2: no launch of its own), then quantizes each x K-tile
   once as a 1-D vector and broadcasts it over the tile's rows.
-- ``fmaq``: the same loop over x quantized beforehand by ``_quantize_kernel`` (one extra
-  tiny launch; no amax pass per program), x loaded as fp8 in the weight tile's layout.
+- ``fmaq``: the same loop over x quantized beforehand (``kernels/_triton/fp8_quant.py``, one
+  extra tiny launch; no amax pass per program), x loaded as fp8 in the weight tile's layout.
 - ``dot``: swap-AB tensor cores: ``out^T = W @ x^T`` with the fp8 weight tile
   ``[BLOCK_N >= 64, BLOCK_K]`` as the MMA's A operand and the fp8-quantized x^T
   ``[BLOCK_K, 16]`` (M padded to 16) as B, both K-major; the weights go from memory to the
@@ -25,9 +24,6 @@ weights to the tensor cores untouched. Four config kinds (``GemvConfig.kind``):
 The float32 sum is scaled by ``x_scale[m] * weight_scale[n]`` before the bias, or before the
 split-K partials go to the workspace (a fixed-order reduce then adds the bias and casts:
 deterministic, CUDA-graph safe, nothing read back to the host).
-
-``quantize_per_token`` (``_quantize_kernel``: amax, scale and cast in one launch, a program
-per row) is also what the cuBLASLt path (M > 8) quantizes activations with.
 """
 
 import torch
@@ -35,13 +31,13 @@ import triton
 import triton.language as tl
 
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
+from kernels._triton.fp8_quant import quantize_per_token
 from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 DOT_BLOCK_M = 16  # tl.dot's smallest operand side: M = 1..8 padded to it
 KINDS = ("fma", "fmaq", "dot", "dotq")
-QUANT_BLOCK = 1024  # elements of a row a quantize program handles a step
 
 
 @triton.jit
@@ -49,24 +45,6 @@ def _quantize(xv, scale):
     # The scheme's rounding: x / scale, clamped to +-448, to float8_e4m3fn.
     xv = xv / scale
     return tl.minimum(tl.maximum(xv, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
-    # One program a token row: amax over the row, the scale, then the fp8 row.
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, K, BLOCK):
-        ks = k + offs
-        xv = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-    tl.store(s_ptr + row, scale)
-    for k in range(0, K, BLOCK):
-        ks = k + offs
-        xv = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_qm + ks, _quantize(xv, scale), mask=ks < K)
 
 
 @triton.jit
@@ -277,25 +255,6 @@ def _fp8_gemv_dot_kernel(
             acc += bias[:, None]
         out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def quantize_per_token(
-    rows: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [M, K] (unit stride along K) -> (float8_e4m3fn [M, K], float32 scales [M, 1]),
-    ``kernels.fp8_linear.quantize_per_token_ref`` in one launch."""
-    m, k = rows.shape
-    if out is None:
-        out = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
-    if scale is None:
-        scale = torch.empty((m, 1), dtype=torch.float32, device=rows.device)
-    if m > 0:
-        block = min(QUANT_BLOCK, max(16, triton.next_power_of_2(k)))
-        _quantize_kernel[(m,)](
-            rows, out, scale, k, rows.stride(0), out.stride(0),
-            BLOCK=block, num_warps=4 if block >= 512 else 1,
-        )  # fmt: skip
-    return out, scale
 
 
 def launch(

@@ -122,27 +122,6 @@ def test_kernel_configs(dtype, m, config) -> None:
     assert torch.equal(out, again)  # deterministic, split-K included
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("m", "k"), [(1, 70), (3, 2100), (2, 16)])
-def test_quantize_kernel_matches_reference(dtype, m, k) -> None:
-    """One launch (amax, scale, cast) = ``quantize_per_token_ref``: the same scale, and the
-    same fp8 bytes (a division may rarely round across an fp8 boundary: one step at most)."""
-    from kernels._triton.fp8_linear import quantize_per_token
-
-    torch.manual_seed(k)
-    x = (torch.randn(m, k) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
-    x[0, :5] = 0.0
-    if m > 1:
-        x[1] = 0.0  # an all-zero row: the floor scale, zeros
-    x_q, x_scale = quantize_per_token(x)
-    ref_q, ref_scale = quantize_per_token_ref(x)
-    assert x_q.dtype == FP8_DTYPE and x_scale.shape == (m, 1)
-    assert torch.allclose(x_scale, ref_scale, rtol=1e-6, atol=0)
-    steps = (x_q.view(torch.int8).int() - ref_q.view(torch.int8).int()).abs()
-    assert steps.max() <= 1 and steps.float().mean() < 1e-3
-    assert rel_err(x_q.double() * x_scale.double(), x.double()) <= 0.04
-
-
 @pytest.mark.parametrize("m", [2, 12])  # the Triton kernel, then the reference's size
 def test_into_out_and_leading_dims(m, triton_calls) -> None:
     x, weight, scale, b = inputs(m, 24, 48, torch.float32, bias=True, seed=m)
@@ -175,26 +154,6 @@ def test_dispatch_takes_the_fp8_table(monkeypatch, triton_calls) -> None:
     assert triton_calls == [tuned, tuned, _gemv_table.fp8_heuristic(5, 24, 48, cpu_sms)]
 
 
-def test_quantize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``quantize_per_token`` (the cuBLASLt path's activation quantization): one Triton
-    launch where Triton runs, the reference otherwise."""
-    from kernels._triton import fp8_linear as triton_fp8
-    from kernels.fp8_linear import quantize_per_token
-
-    calls: list[int] = []
-    original = triton_fp8.quantize_per_token
-    monkeypatch.setattr(triton_fp8, "quantize_per_token",
-                        lambda rows: (calls.append(rows.shape[0]), original(rows))[1])  # fmt: skip
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    x_q, x_scale = quantize_per_token(x)
-    ref_q, ref_scale = quantize_per_token_ref(x)
-    assert calls == [5] and torch.allclose(x_scale, ref_scale, rtol=1e-6, atol=0)
-    assert rel_err(x_q.float(), ref_q.float()) <= 1e-2
-    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
-    x_q, x_scale = quantize_per_token(x)
-    assert calls == [5] and torch.equal(x_q.view(torch.int8), ref_q.view(torch.int8))
-
-
 def test_bad_operands_are_refused() -> None:
     x, weight, scale, _ = inputs(2, 8, 16, torch.float32, bias=False)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -206,7 +165,7 @@ def test_bad_operands_are_refused() -> None:
 # Compiled (not interpreted) for an H200 (sm_90, with the ptxas that ships with Triton): the
 # interpreter accepts code the compiler refuses (layouts, fp8 wgmma operands), and this
 # machine has no GPU. One config of each kind, with the split-K/odd-K/bias variants spread
-# over them, and the quantize kernel.
+# over them.
 AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -234,9 +193,6 @@ for quant, types in ((False, gemv), (True, prequant)):
     dot = build(f._fp8_gemv_dot_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
                 USE_WS=quant, HAS_BIAS=not quant, EVEN_K=quant, PREQUANT=quant), 4, 3)
     assert "wgmma" in dot.asm["ptx"], "the dot kinds must run on Hopper's fp8 tensor cores"
-build(f._quantize_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-      "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "BLOCK": "constexpr"},
-      dict(BLOCK=1024), 4, 1)
 print("compiled")
 """
 
