@@ -365,6 +365,14 @@ def flush() -> None:
             json.dump(results, file, indent=1, default=str)
 
 
+def _layers() -> dict[tuple[str, int], list[dict]]:
+    """(model, M) -> the four projections' summaries, where all four were measured."""
+    layers: dict[tuple[str, int], list[dict]] = {}
+    for row in results["best"]:
+        layers.setdefault((row["model"], row["m"]), []).append(row)
+    return {key: rows for key, rows in layers.items() if len(rows) == len(SHAPES[key[0]])}
+
+
 def print_summary() -> None:
     failed = [c for c in results["checks"] if not c["ok"]]
     print(f"\nchecks: {len(results['checks']) - len(failed)} passed, {len(failed)} failed")
@@ -380,6 +388,13 @@ def print_summary() -> None:
         print(f"{r['model'] + ' ' + r['proj']:<14} {r['m']:>2} {_us(r['bf16_us'])} "
               f"{_us(r['scaled_mm_us'])} {_us(r['shipped_us'])} {_us(r['best_us'])} "
               f"{r.get('best_tbps') or math.nan:4.2f} {ratio:6.2f} {best:<22} {kinds}")  # fmt: skip
+    print("\nper decoder layer (qkv + o + gate_up + down), us: bf16 / scaled_mm / best FP8")
+    for (model, m), rows in _layers().items():
+        sums = [sum(r[key] for r in rows) if all(r.get(key) for r in rows) else None
+                for key in ("bf16_us", "scaled_mm_us", "best_us")]  # fmt: skip
+        print(f"{model:<5} M={m}: {' / '.join(_us(v).strip() for v in sums)}")
+        results.setdefault("layers", []).append({"model": model, "m": m, "bf16_us": sums[0],
+                                                 "scaled_mm_us": sums[1], "best_us": sums[2]})  # fmt: skip
     print("\nFP8_TABLE entries (kernels/_gemv_table.py):")
     print(_gemv_table.table_source(_gemv_table.fp8_table_from_sweep(results)))
 
@@ -422,8 +437,8 @@ def run(args: argparse.Namespace) -> None:
         except Exception:
             traceback.print_exc()
             results.setdefault("errors", []).append(traceback.format_exc())
-    flush()
     print_summary()
+    flush()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

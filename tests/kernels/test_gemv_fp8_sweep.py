@@ -79,6 +79,8 @@ def test_sweep_runs_end_to_end(sweep, tmp_path, monkeypatch, capsys) -> None:
     table = _gemv_table.fp8_table_from_sweep(data)
     assert set(table) == {(40, 96)}
     assert [m for m, _ in table[(40, 96)]] == [1, 2]
+    assert [(r["model"], r["m"], r["best_us"]) for r in data["layers"]] == [
+        ("tiny", 1, 2.0), ("tiny", 2, 2.0)]  # the one projection, fmaq's stand-in time  # fmt: skip
     printed = capsys.readouterr().out
     assert "FP8_TABLE entries" in printed and "tiny qkv" in printed
 
