@@ -85,7 +85,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
             for split in _splits(-(-n // block_n), k, block_k, 4 * sms):
                 configs.append(GemvConfig(kind, block_n, block_k, split, warps))
     for kind in ("dot", "dotq"):
-        for block_n, block_k, stages in ((64, 128, 4), (64, 256, 3), (128, 128, 4),
+        for block_n, block_k, stages in ((64, 128, 4), (64, 256, 3), (64, 512, 2), (128, 128, 4),
                                          (128, 256, 3)):  # fmt: skip
             split = _splits(-(-n // block_n), k, block_k, 2 * sms)[-1]
             configs.append(GemvConfig(kind, block_n, block_k, split, 4, stages))

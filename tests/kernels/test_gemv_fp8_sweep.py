@@ -97,10 +97,10 @@ def test_candidates_on_the_real_shapes() -> None:
                 configs = gemv_fp8.candidates(m, n, k, 132)
                 total += len(configs)
                 assert {c.kind for c in configs} == {"fma", "fmaq", "dot", "dotq"}
-                assert len(set(configs)) == len(configs) <= 32
+                assert len(set(configs)) == len(configs) <= 34
                 for config in configs:
                     assert config.split_k == 1 or config.split_k * config.block_k <= k
-    assert total <= 800  # ~3 min on one H200, compiles included
+    assert total <= 850  # ~3 min on one H200, compiles included
 
 
 def test_fp8_table_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
