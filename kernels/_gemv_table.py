@@ -148,16 +148,68 @@ def lookup_gated(m: int, n2: int, k: int) -> GemvConfig | None:
 # None = cuBLASLt's ``_scaled_mm``)], M ascending, as TABLE; M past the last entry of a
 # listed shape, and shapes not listed, take ``fp8_heuristic``. Filled from an H200 sweep
 # (``gemv_check --fp8``): paste ``table_source(fp8_table_from_sweep(json))`` here.
-FP8_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig | None]]] = {}
+# Measured on one H200 at 23746ab (results/fp8_sweep_h200.json); a decoder layer's four
+# projections at M = 1, us bf16 -> FP8: 7B 111.6 -> 74.4, 1.5B 30.2 -> 27.6.
+FP8_TABLE: dict[tuple[int, int], list[tuple[int, GemvConfig | None]]] = {
+    (1536, 1536): [
+        (1, GemvConfig(kind='fma', block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1)),
+        (2, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (4, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (8, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+    ],
+    (1536, 8960): [
+        (1, GemvConfig(kind='fmaq', block_n=1, block_k=2048, split_k=1, num_warps=4, num_stages=1)),
+        (2, GemvConfig(kind='fmaq', block_n=1, block_k=2048, split_k=1, num_warps=4, num_stages=1)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=16, num_warps=4, num_stages=3)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=16, num_warps=4, num_stages=3)),
+    ],
+    (2048, 1536): [
+        (1, GemvConfig(kind='fma', block_n=8, block_k=1024, split_k=1, num_warps=8, num_stages=1)),
+        (2, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (4, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (8, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=2, num_stages=1)),
+    ],
+    (3584, 3584): [
+        (1, GemvConfig(kind='fma', block_n=8, block_k=1024, split_k=1, num_warps=8, num_stages=1)),
+        (2, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4)),
+    ],
+    (3584, 18944): [
+        (1, GemvConfig(kind='fmaq', block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1)),
+        (2, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4)),
+    ],
+    (4608, 3584): [
+        (1, GemvConfig(kind='fma', block_n=8, block_k=1024, split_k=1, num_warps=8, num_stages=1)),
+        (2, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4)),
+    ],
+    (17920, 1536): [
+        (1, GemvConfig(kind='fma', block_n=8, block_k=512, split_k=1, num_warps=4, num_stages=1)),
+        (2, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+    ],
+    (37888, 3584): [
+        (1, GemvConfig(kind='fmaq', block_n=4, block_k=512, split_k=1, num_warps=2, num_stages=1)),
+        (2, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+        (4, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+        (8, GemvConfig(kind='dotq', block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)),
+    ],
+}  # fmt: skip
 
 
-def fp8_heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+def fp8_heuristic(m: int, n: int, k: int, num_sms: int, tensor_cores: bool = True) -> GemvConfig:
     """An FP8 config for any M <= FMA_MAX_M. M = 1: the fma kernel (activations quantized
     in the kernel, no extra launch) over 16-element (16-byte) fp8 runs, 4 rows a program,
     >= 4 programs per SM before split-K. M >= 2: the fma kernel's conversions and FMAs grow
     with M (ALU-bound on an H200), so the swap-AB tensor-core kernel (64 weight rows a
-    program; >= 2 programs per SM before split-K)."""
-    if m == 1:
+    program; >= 2 programs per SM before split-K). ``tensor_cores=False``: the fma kernel
+    at every M (float32 accumulation of every product)."""
+    if m == 1 or not tensor_cores:
         block_k = max(16, min(512, _next_pow2(k)))
         block_n = 4
         while block_n > 1 and -(-n // block_n) < 4 * num_sms:
@@ -173,12 +225,18 @@ def fp8_heuristic(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     return GemvConfig(kind, block_n, block_k, split, warps, stages)
 
 
-def lookup_fp8(m: int, n: int, k: int, num_sms: int) -> GemvConfig | None:
-    """The FP8 config for M <= FMA_MAX_M (None: ``_scaled_mm`` measured faster)."""
+def lookup_fp8(m: int, n: int, k: int, num_sms: int,
+               tensor_cores: bool = True) -> GemvConfig | None:  # fmt: skip
+    """The FP8 config for M <= FMA_MAX_M (None: ``_scaled_mm`` measured faster).
+    ``tensor_cores=False`` (float32 activations) keeps to the fma kinds: Hopper's FP8 MMA
+    sums a K tile's products in reduced precision, fine under bf16's rounding but not the
+    float32 scheme's."""
     for max_m, config in FP8_TABLE.get((n, k), ()):
         if m <= max_m:
-            return config
-    return fp8_heuristic(m, n, k, num_sms)
+            if config is None or tensor_cores or config.kind in ("fma", "fmaq"):
+                return config
+            break
+    return fp8_heuristic(m, n, k, num_sms, tensor_cores)
 
 
 Fp8Table = dict[tuple[int, int], list[tuple[int, GemvConfig | None]]]

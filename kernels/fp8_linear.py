@@ -89,13 +89,15 @@ def use_scaled_mm(n: int, k: int, dtype: torch.dtype, device_type: str) -> bool:
             and n % 16 == 0 and k % 16 == 0)  # fmt: skip
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | None:
+def choose_config(m: int, n: int, k: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> GemvConfig | None:  # fmt: skip
     """The Triton config for this case (``_gemv_table.lookup_fp8``: the H200-measured
     FP8 table, else its heuristic), or None (cuBLASLt, where the table measured it faster
-    or M > MAX_M; else the reference)."""
+    or M > MAX_M; else the reference). float32 activations get the fma kinds only (float32
+    sums, as the reference)."""
     if not 1 <= m <= MAX_M:
         return None
-    return _gemv_table.lookup_fp8(m, n, k, num_sms(device))
+    return _gemv_table.lookup_fp8(m, n, k, num_sms(device), dtype != torch.float32)
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -137,7 +139,7 @@ def fp8_linear(
     m = x.numel() // max(k, 1)
     triton_ops = kernel_for("fp8_linear", x)
     if triton_ops is not None and _eligible(x, weight, bias):
-        config = choose_config(m, n, k, x.device)
+        config = choose_config(m, n, k, x.device, x.dtype)
         if config is not None:
             return triton_ops.fp8_linear(x, weight, weight_scale, bias, config, out)
     if x.is_cuda and m > 0 and use_scaled_mm(n, k, x.dtype, x.device.type):

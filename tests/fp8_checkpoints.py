@@ -127,7 +127,7 @@ def fake_quantized_reference(hf_model, weights: dict[str, torch.Tensor], world: 
 
     def quantize(x: torch.Tensor) -> torch.Tensor:
         scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1.0 / (448.0 * 512.0))
-        return (x / scale).clamp(-448.0, 448.0).to(FP8).float() * scale
+        return ((x / scale).clamp(-448.0, 448.0).to(FP8).float() * scale).to(x.dtype)
 
     def quantize_input(module, args):  # type: ignore[no-untyped-def]
         return (quantize(args[0]),)

@@ -52,8 +52,14 @@ def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(fp8_linear(x, weight, scale), fp8_linear_ref(x, weight, scale))
     assert calls == [1, MAX_M]
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert choose_config(1, 3584, 3584, cpu).kind == "fma"
-    assert choose_config(MAX_M, 3584, 3584, cpu).kind == "dot"
+    assert choose_config(1, 3000, 2000, cpu).kind == "fma"  # not in the table: heuristic
+    assert choose_config(MAX_M, 3000, 2000, cpu).kind == "dot"
+    assert choose_config(MAX_M, 3584, 3584, cpu).kind == "dotq"  # the H200 table
+    # float32 activations: float32 sums only (no FP8 MMA), in the table and out of it.
+    f32 = torch.float32
+    assert choose_config(MAX_M, 3584, 3584, cpu, f32).kind in ("fma", "fmaq")
+    assert choose_config(MAX_M, 3000, 2000, cpu, f32).kind == "fma"
+    assert choose_config(2, 1536, 1536, cpu, f32).kind == "fmaq"  # an fma kind: kept
     assert choose_config(MAX_M + 1, 3584, 3584, cpu) is None
     assert choose_config(0, 3584, 3584, cpu) is None
     assert use_scaled_mm(3584, 18944, bf16, "cuda")
