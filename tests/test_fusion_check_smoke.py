@@ -22,6 +22,9 @@ def test_smoke_run_writes_kernels_and_engine(tmp_path) -> None:
         ("qkv", 1), ("qkv", 2), ("gate_up+silu", 1), ("gate_up+silu", 2)
     }
     assert all(r["rel_err_fused"] <= fusion_check.MAX_REL_ERR for r in kernels_rows)
+    greedy = result["greedy"]
+    assert 0.0 <= greedy["identical_fraction"] <= greedy["mean_common_prefix_fraction"] <= 1.0
+    assert greedy["identical_fraction"] == 1.0  # on CPU both paths are the references
     (engine,) = result["engine"].values()
     assert engine["unfused"]["norm_fusion"] is False and engine["fused"]["norm_fusion"] is True
     assert engine["unfused"]["output_tok_s"] > 0 and engine["speedup"] > 0

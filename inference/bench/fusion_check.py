@@ -10,11 +10,16 @@ timed on the GPU in one call, fused against unfused.
    ``x + residual`` in bf16, CUDA-graph capture then replay on new inputs equal to an eager
    call, and the time per call of fused vs unfused (norm + GEMV) under CUDA-graph replay
    (``do_bench_cudagraph`` median, weights rotated over >= 300 MB so L2 never holds them).
-2. Engine: ``pagoda bench latency`` at batch 1, 512 in / 128 out, per model, unfused
+2. Greedy tokens, fused against unfused, on a random model with the 1.5B layer shape and
+   realistic weight statistics (``fp8_check.write_realistic_model``, 6 layers), 8 prompts
+   x 32 tokens, two sequences at a time (decode steps of M <= 2: the fused kernels). bf16
+   is not bit-exact between the two paths (the fused one skips two roundings), so this
+   reports how often they agree (``fp8_check.agreement``) rather than asserting equality.
+3. Engine: ``pagoda bench latency`` at batch 1, 512 in / 128 out, per model, unfused
    (``PAGODA_DISABLE_NORM_FUSION=1``) then fused, each in its own process.
 
 ``--smoke`` runs part 1 on tiny shapes under Triton's interpreter (no graphs, no timing)
-and part 2 on a tiny random model on CPU, to check the plumbing. One JSON (default
+and parts 2 and 3 on a tiny random model on CPU, to check the plumbing. One JSON (default
 ``inference/bench/results/fusion_check.json``; none for ``--smoke`` unless
 ``--output-json``) with the command, the commit and the hardware.
 """
@@ -165,6 +170,46 @@ def kernel_checks(shapes: dict[str, tuple[int, int, int]], ms: list[int], device
     return rows
 
 
+class _Fusion:
+    """``with _Fusion(on):`` sets ``PAGODA_DISABLE_NORM_FUSION`` for this process (an engine
+    built inside, and its workers, dispatch accordingly), then restores it."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.saved: str | None = None
+
+    def __enter__(self) -> None:
+        self.saved = os.environ.pop(DISABLE_ENV, None)
+        if not self.on:
+            os.environ[DISABLE_ENV] = "1"
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.pop(DISABLE_ENV, None)
+        if self.saved is not None:
+            os.environ[DISABLE_ENV] = self.saved
+
+
+def greedy_agreement(folder: Path, vocab_size: int, device: str) -> dict[str, Any]:
+    from inference.bench.common import random_prompts
+    from inference.bench.fp8_check import _greedy, _release_memory, agreement
+
+    prompts = random_prompts(8, 48, vocab_size, seed=5)
+    engine = {"max_model_len": 128, "max_num_seqs": 2, "device": device}
+    if device == "cuda":
+        engine["gpu_memory_utilization"] = 0.3
+    runs = {}
+    for fused in (False, True):
+        with _Fusion(fused):
+            runs[fused] = _greedy(folder, prompts, 32, engine, None)
+        _release_memory()
+    result = agreement(runs[False], runs[True])
+    result["first_token_agreement"] = round(
+        sum(a[0] == b[0] for a, b in zip(runs[False], runs[True], strict=True)) / len(prompts), 3
+    )
+    print(f"greedy fused vs unfused ({folder.name}, 8 x 32 tokens): {result}", flush=True)
+    return result
+
+
 def _latency(model: str, fused: bool, argv: list[str], workdir: Path, in_process: bool) -> dict:
     """``pagoda bench latency`` with the fusion on or off, in its own process on the GPU."""
     label = "fused" if fused else "unfused"
@@ -178,16 +223,8 @@ def _latency(model: str, fused: bool, argv: list[str], workdir: Path, in_process
         from inference.bench import latency
         from inference.bench.common import bench_main
 
-        saved = os.environ.get(DISABLE_ENV)
-        os.environ.pop(DISABLE_ENV, None)
-        if not fused:
-            os.environ[DISABLE_ENV] = "1"
-        try:
+        with _Fusion(fused):
             bench_main(latency.add_latency_args, latency.run_latency, "latency", full)
-        finally:
-            os.environ.pop(DISABLE_ENV, None)
-            if saved is not None:
-                os.environ[DISABLE_ENV] = saved
     else:
         command = [sys.executable, "-m", "inference.bench.latency", *full]
         print(f"+ {DISABLE_ENV}={env.get(DISABLE_ENV, '')} " + " ".join(command), flush=True)
@@ -250,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fusion-check-") as tmp:
         workdir = Path(tmp)
         models = args.models
-        if args.smoke:
-            from inference.bench.fp8_check import SMOKE_CONFIG, write_realistic_model
+        from inference.bench.fp8_check import RANDOM_CONFIG, SMOKE_CONFIG, write_realistic_model
 
-            folder = workdir / "random-qwen2"
-            write_realistic_model(folder, SMOKE_CONFIG)
+        config = SMOKE_CONFIG if args.smoke else RANDOM_CONFIG
+        folder = workdir / "random-qwen2-realistic"
+        if not args.skip_engine:
+            write_realistic_model(folder, config)
+            result["greedy"] = greedy_agreement(folder, config["vocab_size"], device.type)
+        if args.smoke:
             models = [str(folder)]
         if not args.skip_engine:
             result["engine"] = engine_speed(models, args, workdir)
