@@ -10,8 +10,9 @@ CUDA graphs is where small-batch decode time goes.
 ``rms_norm_linear(x, residual, norm_weight, eps, weight, bias)`` returns
 ``(linear(rms_norm(x + residual)), x + residual)`` (``residual`` None: no add, and the
 returned residual is ``x``). The fused path runs where the unfused GEMV would be the
-Triton fma kernel (same config, split-K off); everything else, FP8 weights included (the
-model calls ``fp8_linear`` for those), is the unfused composition, as is every case when
+Triton fma kernel (same config, split-K off) and the fused variant's registers stay in
+budget (``fused_config``); everything else, FP8 weights included (the model calls
+``fp8_linear`` for those), is the unfused composition, as is every case when
 ``PAGODA_DISABLE_NORM_FUSION=1`` (to measure one against the other). The choice depends
 only on shapes, dtypes, device and that variable, so CUDA graphs replay what they captured.
 
@@ -25,6 +26,7 @@ import torch
 
 from kernels import _gemv_table
 from kernels._backend import _flag, kernel_for
+from kernels._gemv_table import GemvConfig
 from kernels.linear import (
     _eligible,
     choose_config,
@@ -74,8 +76,6 @@ def _fusable(x, residual, norm_weight, weight, bias) -> bool:
     """Inputs the fused kernel takes exactly as the unfused ops do (before the config)."""
     if _flag(DISABLE_ENV) or x.dim() != 2 or x.stride(-1) != 1 or not _eligible(x, weight, bias):
         return False
-    if x.shape[0] > _gemv_table.FMA_MAX_M:
-        return False
     if (
         norm_weight.dim() != 1 or norm_weight.shape[0] != x.shape[1]
         or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1
@@ -92,6 +92,31 @@ def _fusable(x, residual, norm_weight, weight, bias) -> bool:
     )
 
 
+# Register budget of the fused variant: per thread it holds a weight tile's elements and,
+# per token row, x, residual and norm weight in the same layout, where the plain kernel
+# holds one x. Compiled for sm_90a (ptxas -v), (1 + 3 x rows) x elements-per-thread up to
+# 128 stayed spill-free (1.5B qkv M=1: 126 registers, gate_up M=1: 168); 1.5B gate_up at
+# M=2 (224) spilled and 8 rows (208) spilled 2.5 KB. Past the budget: the unfused ops.
+_MAX_FUSED_ELEMENTS = 128
+
+
+def fused_config(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False
+) -> GemvConfig | None:
+    """The fma config the fused kernel runs for an [m, k] x [n, k] projection (``gated``:
+    n = 2I rows of gate_up), or None where the op runs unfused (flag aside)."""
+    if gated:
+        config = choose_gated_config(m, n, k, dtype, device)
+    else:
+        config = choose_config(m, n, k, dtype, device)
+    if config is None or config.kind != "fma" or m > _gemv_table.FMA_MAX_M:
+        return None
+    rows = 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+    tile_n = config.block_n * (2 if gated else 1)
+    per_thread = tile_n * config.block_k // (32 * config.num_warps)
+    return config if (1 + 3 * rows) * per_thread <= _MAX_FUSED_ELEMENTS else None
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -106,8 +131,8 @@ def rms_norm_linear(
     triton_ops = kernel_for("linear", x)
     if triton_ops is not None and _fusable(x, residual, norm_weight, weight, bias):
         m, k = x.shape
-        config = choose_config(m, weight.shape[0], k, x.dtype, x.device)
-        if config is not None and config.kind == "fma":
+        config = fused_config(m, weight.shape[0], k, x.dtype, x.device)
+        if config is not None:
             return triton_ops.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, config)
     normed, summed = _norm(x, residual, norm_weight, eps, ref=False)
     return linear(normed, weight, bias), summed
@@ -130,7 +155,7 @@ def rms_norm_linear_silu_and_mul(
         and _fusable(x, residual, norm_weight, weight, None)
     ):
         m, k = x.shape
-        config = choose_gated_config(m, weight.shape[0], k, x.dtype, x.device)
+        config = fused_config(m, weight.shape[0], k, x.dtype, x.device, gated=True)
         if config is not None:
             return triton_ops.rms_norm_linear(x, residual, norm_weight, eps, weight, None,
                                               config, gated=True)  # fmt: skip

@@ -51,12 +51,9 @@ def _fuses(m: int, n: int, k: int, gated: bool, device) -> bool:
     """Whether ``rms_norm_linear`` takes the fused kernel for this bf16 shape."""
     import torch
 
-    from kernels.linear import choose_config, choose_gated_config
+    from kernels.norm_linear import fused_config
 
-    if gated:
-        return choose_gated_config(m, n, k, torch.bfloat16, device) is not None
-    config = choose_config(m, n, k, torch.bfloat16, device)
-    return config is not None and config.kind == "fma"
+    return fused_config(m, n, k, torch.bfloat16, device, gated) is not None
 
 
 def _ops(gated: bool):

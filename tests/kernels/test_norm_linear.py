@@ -149,14 +149,23 @@ def test_fallbacks_run_the_unfused_ops(fused_calls: list, monkeypatch: pytest.Mo
     assert fused_calls == []
 
 
-def test_gpu_dispatch_is_the_unfused_gemv_choice() -> None:
-    """On CUDA the fused kernel runs exactly where the unfused GEMV is the fma kernel (the
-    table's measured configs), so enabling the fusion never moves a shape to cuBLAS or off
-    it; FP8 weights never get here (float8 is not an eligible dtype)."""
+def test_gpu_dispatch() -> None:
+    """On CUDA the fused kernel runs only where the unfused GEMV is the fma kernel (the
+    table's measured configs), with that config, and only within the register budget;
+    FP8 weights never get here (float8 is not an eligible dtype)."""
     from kernels.linear import choose_config, choose_gated_config
+    from kernels.norm_linear import fused_config
 
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert choose_config(1, 2048, 1536, bf16, cuda).kind == "fma"  # 1.5B qkv
-    assert choose_config(8, 2048, 1536, bf16, cuda) is None  # cuBLAS: unfused
-    assert choose_gated_config(1, 17920, 1536, bf16, cuda).kind == "fma"  # 1.5B gate_up
-    assert choose_gated_config(4, 17920, 1536, bf16, cuda) is None
+    # Qwen2.5-1.5B at batch 1 and 2: qkv both, gate_up at M=1 (its M=2 config would spill).
+    assert fused_config(1, 2048, 1536, bf16, cuda) == choose_config(1, 2048, 1536, bf16, cuda)
+    assert fused_config(2, 2048, 1536, bf16, cuda) == choose_config(2, 2048, 1536, bf16, cuda)
+    gated = fused_config(1, 17920, 1536, bf16, cuda, gated=True)
+    assert gated == choose_gated_config(1, 17920, 1536, bf16, cuda)
+    assert fused_config(2, 17920, 1536, bf16, cuda, gated=True) is None
+    assert fused_config(4, 2048, 1536, bf16, cuda) is None  # 8 rows x 512 x 4 rows: spills
+    assert fused_config(8, 2048, 1536, bf16, cuda) is None  # cuBLAS: unfused
+    # Qwen2.5-7B at batch 1.
+    assert fused_config(1, 4608, 3584, bf16, cuda) is not None
+    assert fused_config(1, 37888, 3584, bf16, cuda, gated=True) is not None
+    assert fused_config(1, 4608, 3584, torch.float32, cuda) is None  # the table is bf16/fp16
