@@ -10,11 +10,22 @@ import json
 from inference.bench import fusion_check
 
 
-def test_smoke_run_writes_kernels_and_engine(tmp_path) -> None:
+def test_smoke_run_writes_kernels_and_engine(tmp_path, monkeypatch) -> None:
+    from kernels._triton import linear as triton_linear
+
+    fused_launches = []
+    original = triton_linear.rms_norm_linear
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fused_launches.append(kwargs.get("gated", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_linear, "rms_norm_linear", spy)
     out = tmp_path / "fusion_check.json"
     argv = ["--smoke", "--ms", "1", "2", "--input-len", "16", "--output-len", "4",
             "--num-iters", "1", "--output-json", str(out)]  # fmt: skip
     assert fusion_check.main(argv) == 0
+    assert sorted(set(fused_launches)) == [False, True]  # the kernel itself, both forms
     result = json.loads(out.read_text())
     assert result["workload"] == "fusion_check" and result["smoke"] and result["ok"]
     kernels_rows = result["kernels"]

@@ -9,7 +9,9 @@ timed on the GPU in one call, fused against unfused.
    against float64 and against the unfused ops, the residual it writes bit-equal to
    ``x + residual`` in bf16, CUDA-graph capture then replay on new inputs equal to an eager
    call, and the time per call of fused vs unfused (norm + GEMV) under CUDA-graph replay
-   (``do_bench_cudagraph`` median, weights rotated over >= 300 MB so L2 never holds them).
+   (``do_bench_cudagraph`` median, weights rotated over >= 300 MB so L2 never holds them);
+   for the 1.5B at M = 1 (the batch-1 target) also a few other fused configs, since the
+   shipped ones were measured for the plain GEMV (the fused kernel holds more registers).
 2. Greedy tokens, fused against unfused, on a random model with the 1.5B layer shape and
    realistic weight statistics (``fp8_check.write_realistic_model``, 6 layers), 8 prompts
    x 32 tokens, two sequences at a time (decode steps of M <= 2: the fused kernels). bf16
@@ -43,6 +45,9 @@ DISABLE_ENV = "PAGODA_DISABLE_NORM_FUSION"  # kernels/norm_linear.py
 SHAPES = {"1.5B": (1536, 2048, 8960), "7B": (3584, 4608, 18944)}
 SMOKE_SHAPES = {"tiny": (96, 64, 80)}
 ROTATE_BYTES = 300 * 2**20
+# Fused configs timed beside the dispatch's for the 1.5B at M = 1: (block_n, block_k, warps).
+SWEEP = {"qkv": [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (1, 2048, 8)],
+         "gate_up+silu": [(4, 256, 4), (2, 512, 4), (1, 1024, 4), (8, 256, 8)]}
 # bf16 output against float64: the unfused ops land near 3e-3 on these shapes.
 MAX_REL_ERR = 1e-2
 
@@ -141,9 +146,28 @@ def check_case(name: str, hidden: int, n: int, m: int, gated: bool, device,
 
             result[label] = round(_graph_us(run, copies), 2)
         result["saved_us"] = round(result["unfused_us"] - result["fused_us"], 2)
+        if name == "1.5B" and m == 1:
+            result["sweep_us"] = _sweep(x, residual, norm, weights, bias, gated)
         del weights
     result["ok"] = bool(ok)
     return result
+
+
+def _sweep(x, residual, norm, weights, bias, gated: bool) -> dict[str, float]:
+    """The fused kernel's time per call with other fma configs (same inputs, rotated weights)."""
+    from kernels._gemv_table import GemvConfig
+    from kernels._triton import linear as triton_linear
+
+    times = {}
+    for block_n, block_k, warps in SWEEP["gate_up+silu" if gated else "qkv"]:
+        config = GemvConfig("fma", block_n, block_k, 1, warps)
+
+        def run(config=config) -> None:
+            for w in weights:
+                triton_linear.rms_norm_linear(x, residual, norm, EPS, w, bias, config, gated=gated)
+
+        times[config.short()] = round(_graph_us(run, len(weights)), 2)
+    return times
 
 
 def kernel_checks(shapes: dict[str, tuple[int, int, int]], ms: list[int], device,
@@ -160,6 +184,8 @@ def kernel_checks(shapes: dict[str, tuple[int, int, int]], ms: list[int], device
                 rows.append(row)
                 timing_text = (f"; unfused {row['unfused_us']} us -> fused {row['fused_us']} us"
                                if timing else "")  # fmt: skip
+                if "sweep_us" in row:
+                    timing_text += f"; other fused configs (us) {row['sweep_us']}"
                 print(f"{name} {row['proj']} M={m}: rel err fused {row['rel_err_fused']:.2e} "
                       f"(unfused {row['rel_err_unfused']:.2e}); residual exact "
                       f"{row['residual_exact']}; graph replay {row.get('graph_replay_equal')}"
@@ -167,23 +193,30 @@ def kernel_checks(shapes: dict[str, tuple[int, int, int]], ms: list[int], device
     return rows
 
 
-class _Fusion:
-    """``with _Fusion(on):`` sets ``PAGODA_DISABLE_NORM_FUSION`` for this process (an engine
-    built inside, and its workers, dispatch accordingly), then restores it."""
+class _Env:
+    """``with _Env({"NAME": value or None}):`` sets (None: removes) environment variables
+    for this process (an engine built inside, and its workers, see them), then restores
+    them."""
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self.saved: str | None = None
+    def __init__(self, values: dict[str, str | None]) -> None:
+        self.values = values
+        self.saved: dict[str, str | None] = {}
 
     def __enter__(self) -> None:
-        self.saved = os.environ.pop(DISABLE_ENV, None)
-        if not self.on:
-            os.environ[DISABLE_ENV] = "1"
+        for name, value in self.values.items():
+            self.saved[name] = os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
     def __exit__(self, *exc: object) -> None:
-        os.environ.pop(DISABLE_ENV, None)
-        if self.saved is not None:
-            os.environ[DISABLE_ENV] = self.saved
+        for name, value in self.saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def _fusion(on: bool) -> _Env:
+    return _Env({DISABLE_ENV: None if on else "1"})
 
 
 def greedy_agreement(folder: Path, vocab_size: int, device: str) -> dict[str, Any]:
@@ -196,7 +229,7 @@ def greedy_agreement(folder: Path, vocab_size: int, device: str) -> dict[str, An
         engine["gpu_memory_utilization"] = 0.3
     runs = {}
     for fused in (False, True):
-        with _Fusion(fused):
+        with _fusion(fused):
             runs[fused] = _greedy(folder, prompts, 32, engine, None)
         _release_memory()
     result = agreement(runs[False], runs[True])
@@ -220,7 +253,7 @@ def _latency(model: str, fused: bool, argv: list[str], workdir: Path, in_process
         from inference.bench import latency
         from inference.bench.common import bench_main
 
-        with _Fusion(fused):
+        with _fusion(fused):
             bench_main(latency.add_latency_args, latency.run_latency, "latency", full)
     else:
         command = [sys.executable, "-m", "inference.bench.latency", *full]
@@ -270,16 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    interpret = os.environ.get("TRITON_INTERPRET")
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # the kernels on CPU (before their first import)
-    try:
-        with torch.no_grad():
-            kernels_rows = kernel_checks(shapes, args.ms, device, timing=not args.smoke)
-    finally:  # the engine on CPU runs the references
-        os.environ.pop("TRITON_INTERPRET", None)
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
+    # Smoke: the kernels under the interpreter (set before their first import); the engine
+    # on CPU afterwards runs the references, as configured.
+    kernel_env = {"TRITON_INTERPRET": "1", "PAGODA_DISABLE_TRITON": None} if args.smoke else {}
+    with _Env(kernel_env), torch.no_grad():
+        kernels_rows = kernel_checks(shapes, args.ms, device, timing=not args.smoke)
     result: dict[str, Any] = {"kernels": kernels_rows, "smoke": args.smoke}
     with tempfile.TemporaryDirectory(prefix="fusion-check-") as tmp:
         workdir = Path(tmp)
