@@ -118,6 +118,44 @@ def test_shared_prefix_small_budget(qwen_1p5b_shape, budget, prefix_caching):
     assert report.argmax_mismatches == 0, report.summary()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_real_shapes_bf16(qwen_1p5b_shape, quantization, fused, monkeypatch):
+    """bfloat16 on Qwen2.5-1.5B's per-layer shapes, the only ones where decode steps of 1-8
+    tokens run the H200-tuned Triton GEMVs (the bf16 table, or the FP8 table's fma and
+    tensor-core kinds) and the RMSNorm fused into the qkv and gate_up GEMVs (M <= 2; the
+    tiny matrix models fall back to cuBLAS): within the bfloat16 noise of transformers
+    computing the same thing (the FP8 scheme fake-quantized, for fp8)."""
+    if not fused:
+        monkeypatch.setenv("PAGODA_DISABLE_NORM_FUSION", "1")
+    folder, reference = qwen_1p5b_shape
+    engine = _engine(folder, dtype="bfloat16", quantization=quantization, max_model_len=1024,
+                     max_num_seqs=8, num_kv_blocks=1024)  # fmt: skip
+    try:
+        workload = random_workload(7000, vocab_size=151000, max_model_len=1024, block_size=16,
+                                   num_requests=8, max_new_tokens=32)  # fmt: skip
+        results = run_workload(engine, workload)
+        check_results_complete(workload, results)
+    finally:
+        engine.shutdown()
+    if quantization is None:
+        import copy
+
+        ref32 = reference
+        ref16 = Reference(copy.deepcopy(reference.model).to(torch.bfloat16), "cuda")
+        slack = 1e-4
+    else:
+        ref32 = _fp8_reference(folder, reference.model)
+        ref16 = _fp8_reference(folder, reference.model, torch.bfloat16)
+        slack = 2e-3
+    report = compare(results, ref32, tie_tol=0.0)
+    noise = bf16_noise(results, ref32, ref16)
+    label = f"1.5b-shape {quantization or 'bf16'} {'fused' if fused else 'unfused'}"
+    print(f"\n{label}: {report.summary()}; hf-bf16 noise {noise:.2e}")
+    assert report.mean_abs_diff <= 2 * noise + slack, (label, report.summary(), noise)
+    assert report.max_regret <= max(20 * noise, 0.5), (label, report.summary(), noise)
+
+
 # -- the matrix -----------------------------------------------------------------------
 MAX_MODEL_LEN = 1536
 # Head dims 64 and 128; GQA ratios 1, 2, 4 and 8; q/k norms (Qwen3); q/k/v biases (Qwen2).
