@@ -16,12 +16,6 @@ from kernels.linear import (
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
 )
-from kernels.norm_linear import (
-    rms_norm_linear,
-    rms_norm_linear_ref,
-    rms_norm_linear_silu_and_mul,
-    rms_norm_linear_silu_and_mul_ref,
-)
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from kernels.rotary_kv_cache import (
@@ -44,10 +38,6 @@ __all__ = [
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",
-    "rms_norm_linear",
-    "rms_norm_linear_ref",
-    "rms_norm_linear_silu_and_mul",
-    "rms_norm_linear_silu_and_mul_ref",
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",

@@ -108,57 +108,41 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self._norm_and_project(hidden, residual, self.input_norm,
-                                               self.qkv_proj, self.qkv_bias, gated=False)  # fmt: skip
-        hidden = self._attention(positions, qkv, kv_cache, cos_sin_cache, meta)
-        gated, residual = self._norm_and_project(hidden, residual, self.post_attention_norm,
-                                                 self.gate_up_proj, None, gated=True)  # fmt: skip
+        if residual is None:
+            residual = hidden
+            hidden = kernels.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            hidden, residual = kernels.fused_add_rms_norm(
+                hidden, residual, self.input_norm, self.eps
+            )
+        hidden = self._attention(positions, hidden, kv_cache, cos_sin_cache, meta)
+        hidden, residual = kernels.fused_add_rms_norm(
+            hidden, residual, self.post_attention_norm, self.eps
+        )
+        if self.gate_up_proj_scale is not None:
+            gated = kernels.silu_and_mul(
+                kernels.fp8_linear(hidden, self.gate_up_proj, self.gate_up_proj_scale)
+            )
+        elif hidden.shape[0] <= _SKINNY_MAX_TOKENS:
+            gated = kernels.linear_silu_and_mul(hidden, self.gate_up_proj)
+        else:
+            gated = kernels.silu_and_mul(nn.functional.linear(hidden, self.gate_up_proj))
         # Row-parallel: written straight into the all-reduce's staging buffer where it has one.
         staging = self.parallel.all_reduce_input(gated.shape[0], self.down_proj.shape[0],
                                                  gated.dtype)  # fmt: skip
         hidden = _linear(gated, self.down_proj, out=staging, scale=self.down_proj_scale)
         return self.parallel.all_reduce(hidden), residual
 
-    def _norm_and_project(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        gated: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(projection of rms_norm(hidden + residual), the new residual); ``gated``: the
-        gate_up projection followed by SiLU-and-mul. ``residual`` None (the first layer):
-        no add, the residual is ``hidden``. Decode-sized bf16/fp16 steps run the norm inside
-        the projection's kernel (``kernels.rms_norm_linear``)."""
-        scale = self.gate_up_proj_scale if gated else self.qkv_proj_scale
-        if scale is None and hidden.shape[0] <= _SKINNY_MAX_TOKENS:
-            if gated:
-                return kernels.rms_norm_linear_silu_and_mul(hidden, residual, norm, self.eps,
-                                                            weight)  # fmt: skip
-            return kernels.rms_norm_linear(hidden, residual, norm, self.eps, weight, bias)
-        if residual is None:
-            residual = hidden
-            hidden = kernels.rms_norm(hidden, norm, self.eps)
-        else:
-            hidden, residual = kernels.fused_add_rms_norm(hidden, residual, norm, self.eps)
-        if scale is not None:  # FP8
-            projected = kernels.fp8_linear(hidden, weight, scale, bias)
-            return (kernels.silu_and_mul(projected) if gated else projected), residual
-        if gated:
-            return kernels.silu_and_mul(nn.functional.linear(hidden, weight)), residual
-        return kernels.linear_ref(hidden, weight, bias), residual
-
     def _attention(
         self,
         positions: torch.Tensor,
-        qkv: torch.Tensor,
+        hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = qkv.shape[0]
+        num_tokens = hidden.shape[0]
+        qkv = _linear(hidden, self.qkv_proj, self.qkv_bias, scale=self.qkv_proj_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)

@@ -12,23 +12,10 @@ bytes), so the kernel is built for bytes in flight, not for math:
 - ``dot`` kernel (any M, padded to ``BLOCK_M`` >= 16): ``tl.dot(w_tile, x_tile^T)`` with the
   weight as the MMA's M side, pipelined through shared memory (``num_stages``).
 
-With ``NORM`` the fma kernel also applies the RMSNorm (and the residual add) that precedes
-the projection in a decoder layer, so a decode step needs no separate norm launch: every
-program loads its K tiles of ``x`` (and ``residual``) and the norm weight ``g`` where it
-would load x, accumulates ``w * (h * g)`` with ``h = x + residual`` (rounded to the
-residual stream's dtype, exactly what the unfused add stores) and, alongside, ``h * h``;
-after the K loop, which then spans all of K (no split), the row's sum of squares gives
-``rstd = rsqrt(mean(h^2) + eps)`` and the result is ``rstd * sum(w * h * g)``. The unfused
-path rounds the normed row to the model's dtype twice before the GEMV; the fused one does
-not, so the two agree to that rounding, not bit for bit. Program 0 writes ``h`` (the new
-residual) to a separate buffer: the other programs still read the old residual.
-
 With ``SPLIT_K > 1`` each K slice writes float32 partials to a workspace and a second,
 tiny kernel sums them in a fixed order, adds the bias and casts: deterministic (no atomics),
 and nothing depends on the host besides shapes, so the op captures in a CUDA graph.
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,53 +51,6 @@ def _fold(prod, VEC: tl.constexpr):
 
 
 @triton.jit
-def _normed_row(
-    x_ptr, r_ptr, g_ptr, h_ptr, row, M, stride_xm, stride_rm, stride_hm, ks, zero_n, h_mask,
-    EVEN_K: tl.constexpr, K, ADD_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    # (h * g, h * h) in float32, in the weight tile's layout (as _x_row). h = x + residual,
-    # rounded to the residual's dtype; where h_mask holds (one tile row of program 0) it is
-    # stored as the new residual.
-    x = _x_row(x_ptr, row, M, stride_xm, ks, zero_n, EVEN_K, K)
-    if ADD_RESIDUAL:
-        h = (x + _x_row(r_ptr, row, M, stride_rm, ks, zero_n, EVEN_K, K)).to(
-            h_ptr.dtype.element_ty
-        )
-        mask = h_mask & (row < M) & (ks < K)[None, :]
-        r = tl.minimum(row, M - 1).to(tl.int64)
-        tl.store(h_ptr + r * stride_hm + zero_n[:, None] + ks[None, :], h, mask=mask)
-        x = h.to(tl.float32)
-    g = _x_row(g_ptr, 0, M, 0, ks, zero_n, EVEN_K, K)
-    return x * g, x * x
-
-
-@triton.jit
-def _fma_step(
-    acc, ss, w, row, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm, stride_rm, stride_hm, ks, zero_n,
-    h_mask, EVEN_K: tl.constexpr, K, VEC: tl.constexpr, NORM: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    # One K tile of one token row: acc += w * x (NORM: w * h * g, and ss += h * h).
-    if NORM:
-        xg, hh = _normed_row(x_ptr, r_ptr, g_ptr, h_ptr, row, M, stride_xm, stride_rm,
-                             stride_hm, ks, zero_n, h_mask, EVEN_K, K, ADD_RESIDUAL)  # fmt: skip
-        acc += _fold(w * xg, VEC)
-        ss += _fold(hh, VEC)
-    else:
-        acc += _fold(w * _x_row(x_ptr, row, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
-    return acc, ss
-
-
-@triton.jit
-def _rstd_scaled(acc, ss, K, eps, NORM: tl.constexpr):
-    # NORM: the accumulator times the row's 1 / rms (every tile row of ss holds the same sums).
-    if NORM:
-        rstd = tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)
-        acc = acc * rstd[:, None]
-    return acc
-
-
-@triton.jit
 def _store_row(
     acc, row, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -134,8 +74,6 @@ def _gemv_fma_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, GATED: tl.constexpr,
-    r_ptr, g_ptr, h_ptr, stride_rm, stride_hm, eps,
-    NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -148,14 +86,11 @@ def _gemv_fma_kernel(
         w_row = tl.minimum(tile_n, N - 1) + (offs_t // BLOCK_N) * N
     else:
         TILE_N: tl.constexpr = BLOCK_N
-        offs_t = tl.arange(0, TILE_N)
         # Rows past N are clamped (loads stay unmasked along N; stores are masked).
         w_row = tl.minimum(offs_n, N - 1)
     w_rows = w_ptr + w_row.to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([TILE_N], dtype=tl.int32)
-    # NORM: the new residual is stored by one tile row of program 0 (its K covers all of K).
-    h_mask = ((offs_t == 0) & (pid_n == 0))[:, None]
     acc0 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc1 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc2 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
@@ -164,15 +99,6 @@ def _gemv_fma_kernel(
     acc5 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc6 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc7 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    # Sums of squares per token row (NORM only; otherwise unused and compiled away).
-    ss0 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss1 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss2 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss3 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss4 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss5 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss6 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
-    ss7 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k + offs_k
@@ -184,52 +110,36 @@ def _gemv_fma_kernel(
                 eviction_policy="evict_first",
             )  # fmt: skip
         w = w.to(tl.float32)
-        acc0, ss0 = _fma_step(acc0, ss0, w, 0, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                              stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC, NORM,
-                              ADD_RESIDUAL)  # fmt: skip
+        acc0 += _fold(w * _x_row(x_ptr, 0, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
         if ROWS > 1:
-            acc1, ss1 = _fma_step(acc1, ss1, w, 1, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
+            acc1 += _fold(w * _x_row(x_ptr, 1, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
         if ROWS > 2:
-            acc2, ss2 = _fma_step(acc2, ss2, w, 2, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
-            acc3, ss3 = _fma_step(acc3, ss3, w, 3, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
+            acc2 += _fold(w * _x_row(x_ptr, 2, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            acc3 += _fold(w * _x_row(x_ptr, 3, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
         if ROWS > 4:
-            acc4, ss4 = _fma_step(acc4, ss4, w, 4, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
-            acc5, ss5 = _fma_step(acc5, ss5, w, 5, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
-            acc6, ss6 = _fma_step(acc6, ss6, w, 6, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
-            acc7, ss7 = _fma_step(acc7, ss7, w, 7, x_ptr, r_ptr, g_ptr, h_ptr, M, stride_xm,
-                                  stride_rm, stride_hm, ks, zero_n, h_mask, EVEN_K, K, VEC,
-                                  NORM, ADD_RESIDUAL)  # fmt: skip
-    _store_row(_rstd_scaled(acc0, ss0, K, eps, NORM), 0, pid_k, out_ptr, ws_ptr, b_ptr, offs_n,
-               M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+            acc4 += _fold(w * _x_row(x_ptr, 4, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            acc5 += _fold(w * _x_row(x_ptr, 5, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            acc6 += _fold(w * _x_row(x_ptr, 6, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+            acc7 += _fold(w * _x_row(x_ptr, 7, M, stride_xm, ks, zero_n, EVEN_K, K), VEC)
+    _store_row(acc0, 0, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+               HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
     if ROWS > 1:
-        _store_row(_rstd_scaled(acc1, ss1, K, eps, NORM), 1, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc1, 1, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
     if ROWS > 2:
-        _store_row(_rstd_scaled(acc2, ss2, K, eps, NORM), 2, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
-        _store_row(_rstd_scaled(acc3, ss3, K, eps, NORM), 3, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc2, 2, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc3, 3, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
     if ROWS > 4:
-        _store_row(_rstd_scaled(acc4, ss4, K, eps, NORM), 4, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
-        _store_row(_rstd_scaled(acc5, ss5, K, eps, NORM), 5, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
-        _store_row(_rstd_scaled(acc6, ss6, K, eps, NORM), 6, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
-        _store_row(_rstd_scaled(acc7, ss7, K, eps, NORM), 7, pid_k, out_ptr, ws_ptr, b_ptr,
-                   offs_n, M, N, stride_om, HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc4, 4, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc5, 5, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc6, 6, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
+        _store_row(acc7, 7, pid_k, out_ptr, ws_ptr, b_ptr, offs_n, M, N, stride_om,
+                   HAS_BIAS, USE_WS, GATED, BLOCK_N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -293,18 +203,6 @@ def _rows_bucket(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
 
-@dataclass(frozen=True)
-class Norm:
-    """The RMSNorm the fma kernel applies to x first (``launch(..., norm=)``): ``weight``
-    [K] and ``eps``; with ``residual`` [M, K], x + residual is normalised and written to
-    ``summed`` [M, K] (a different buffer from ``residual``)."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    summed: torch.Tensor | None = None
-
-
 def launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -312,22 +210,18 @@ def launch(
     out: torch.Tensor,
     config: GemvConfig,
     gated: bool = False,
-    norm: Norm | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ weight[N, K].T (+ bias). ``x`` and ``weight`` need a unit
     stride along K, ``out`` along N. ``gated``: weight is [2N, K] (gate rows, then up rows)
-    and out = silu(x @ gate.T) * (x @ up.T), fma kernel only, no bias, no split-K.
-    ``norm``: x is first RMS-normalised (after adding the residual), fma kernel only, no
-    split-K (each program needs the whole row's statistics)."""
+    and out = silu(x @ gate.T) * (x @ up.T), fma kernel only, no bias, no split-K."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m == 0 or n == 0:
         return out
-    fma_only = gated or norm is not None
-    if k == 0 or (fma_only and config.kind != "fma") or (gated and bias is not None):
+    if k == 0 or (gated and (config.kind != "fma" or bias is not None)):
         raise ValueError("unsupported GEMV case")
     block_k = config.block_k
-    split = 1 if fma_only else max(1, min(config.split_k, triton.cdiv(k, block_k)))
+    split = 1 if gated else max(1, min(config.split_k, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     even_k = k % k_per_split == 0
@@ -341,21 +235,11 @@ def launch(
     if config.kind == "fma":
         if m > FMA_MAX_M:
             raise ValueError(f"the fma GEMV kernel takes at most {FMA_MAX_M} rows, got {m}")
-        residual = norm.residual if norm is not None else None
-        summed = norm.summed if residual is not None else None
         _gemv_fma_kernel[grid](
             *common,
             ROWS=_rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
             HAS_BIAS=bias is not None, EVEN_K=even_k, VEC=min(16 // x.element_size(), block_k),
-            GATED=gated,
-            r_ptr=residual if residual is not None else x,
-            g_ptr=norm.weight if norm is not None else x,
-            h_ptr=summed if summed is not None else out,
-            stride_rm=residual.stride(0) if residual is not None else 0,
-            stride_hm=summed.stride(0) if summed is not None else 0,
-            eps=norm.eps if norm is not None else 0.0,
-            NORM=norm is not None, ADD_RESIDUAL=residual is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     else:
         _gemv_dot_kernel[grid](
@@ -402,26 +286,3 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     out = torch.empty((rows.shape[0], width), dtype=x.dtype, device=x.device)
     launch(rows, weight, None, out, config, gated=True)
     return out.view(*x.shape[:-1], width)
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: GemvConfig,
-    gated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual)), x + residual) in one fma launch, or with
-    ``gated`` (weight [2I, K]) silu_and_mul of the projection; ``residual`` None: no add,
-    the returned residual is x itself. x and residual: [M, K] with unit stride along K (the
-    caller checked eligibility)."""
-    m = x.shape[0]
-    width = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = torch.empty((m, width), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else None
-    launch(x, weight, bias, out, config, gated=gated,
-           norm=Norm(norm_weight, eps, residual, summed))  # fmt: skip
-    return out, (summed if summed is not None else x)
