@@ -4,11 +4,9 @@ bf16 one.
 
     PYTHONPATH=$PWD:$PWD/operator python -m pytest -q tests/gpu/test_fp8_gpu.py
 
-Quality thresholds are a first guard, set from a CPU measurement of the same check on the
-embedded SmolLM2-135M-Instruct (6 chat prompts, 24 greedy tokens, float32 reference: mean
-KL 0.088, argmax agreement 0.854, greedy common prefix 0.44 of the tokens): a 135M model
-converted from a Q4_1 GGUF is a hard case for per-channel FP8. Tighten them once the H200
-numbers are in RESULTS.md."""
+Quality thresholds (``QUALITY_LIMITS``) are a first guard, set with margin from a CPU run of
+the same check (fp8_check's defaults, float32 reference, see ``QUALITY_LIMITS``); tighten
+them once the H200 numbers are in RESULTS.md."""
 
 from __future__ import annotations
 
@@ -130,9 +128,26 @@ def test_fp8_fp32_gpu_equals_cpu(tiny) -> None:
     assert agree >= len(prompts) - 1, (got, expected)
 
 
-@pytest.mark.xfail(strict=False, reason="open: on one H200 at 9fbb578 the realistic random model "
-                   "gave mean KL 3.3 against bf16 (each FP8 op matches float64 on the same GPU; "
-                   "the model-level loss is not yet explained)")
+# Per model: max mean KL, min argmax agreement, min greedy common-prefix fraction, max
+# relative perplexity increase. From CPU runs of fp8_check.quality at c1aeb7f
+# (float32 reference and activations; the GPU's bf16 adds its own noise, ~0.2 % perplexity
+# on SmolLM2):
+# - SmolLM2-135M-Instruct (16 prompts, 64 tokens, 4,082 perplexity tokens): KL 0.064,
+#   argmax 0.882, common prefix 0.209, perplexity 16.58 -> 17.02 (+2.7 %; bf16 on CPU:
+#   16.61 -> 17.05, +2.6 %). A 135M model converted from a Q4_1 GGUF is a hard case for
+#   per-channel FP8.
+# - the realistic random model (8 prompts, 32 tokens, 2,043 byte tokens): KL 0.22, argmax
+#   0.77, common prefix 0.10, perplexity +7.1 % (its absolute perplexity on text is
+#   meaningless: random weights). Its greedy path parts at the first of its close calls,
+#   so the prefix measures the model, not FP8: no limit. Before the generator was made
+#   stable it gave KL 3.35 / argmax 0.40 on CPU, 3.3 on the H200: a bug of that size still
+#   fails here.
+QUALITY_LIMITS = {
+    "smollm2": {"mean_kl": 0.15, "argmax": 0.8, "prefix": 0.1, "perplexity": 0.06},
+    "random": {"mean_kl": 0.5, "argmax": 0.65, "prefix": 0.0, "perplexity": 0.2},
+}
+
+
 def test_fp8_quality_against_bf16(tmp_path) -> None:
     """The quality half of ``inference.bench.fp8_check`` on the embedded model and the
     realistic random model, with first thresholds."""
@@ -143,12 +158,14 @@ def test_fp8_quality_against_bf16(tmp_path) -> None:
     args = argparse.Namespace(**(vars(args) | {"num_kv_blocks": 1024}))
     random_folder = tmp_path / "random"
     fp8_check.write_realistic_model(random_folder, fp8_check.RANDOM_CONFIG)
-    results = [fp8_check.quality("random", random_folder, False, args)]
+    results = {"random": fp8_check.quality("random", random_folder, False, args)}
     embedded = fp8_check._embedded_model()
     if embedded is not None:
-        results.append(fp8_check.quality("smollm2", embedded, True, args))
-    for result in results:
+        results["smollm2"] = fp8_check.quality("smollm2", embedded, True, args)
+    for name, result in results.items():
+        limits = QUALITY_LIMITS[name]
         forced, greedy = result["teacher_forced"], result["greedy"]
-        assert forced["mean_kl"] <= 0.15, result
-        assert forced["argmax_agreement"] >= 0.8, result
-        assert greedy["mean_common_prefix_fraction"] >= 0.1, result
+        assert forced["mean_kl"] <= limits["mean_kl"], result
+        assert forced["argmax_agreement"] >= limits["argmax"], result
+        assert greedy["mean_common_prefix_fraction"] >= limits["prefix"], result
+        assert result["perplexity"]["relative_increase"] <= limits["perplexity"], result
