@@ -129,7 +129,7 @@ def test_fp8_fp32_gpu_equals_cpu(tiny) -> None:
 
 
 # Per model: max mean KL, min argmax agreement, min greedy common-prefix fraction, max
-# relative perplexity increase. From CPU runs of fp8_check.quality at c1aeb7f
+# relative perplexity increase. From CPU runs of fp8_check.quality (this generator)
 # (float32 reference and activations; the GPU's bf16 adds its own noise, ~0.2 % perplexity
 # on SmolLM2):
 # - SmolLM2-135M-Instruct (16 prompts, 64 tokens, 4,082 perplexity tokens): KL 0.064,
