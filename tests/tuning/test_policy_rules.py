@@ -60,6 +60,29 @@ def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
     assert (decision.old, decision.new) == (2, 3)
 
 
+def test_full_slots_with_a_long_queue_raise_max_num_seqs_before_adding_engines() -> None:
+    # 64 slots busy on each engine, 400 requests waiting (far more than the batch), the
+    # cache 30 % full: 128 sequences an engine fill 60 % of it, so the bigger batch fits.
+    flood = window(requests_waiting=400.0, requests_running=128.0, ttft_p95_s=4.0)
+    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(flood)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+    assert "every batch slot busy with KV cache at 30%: 128 sequences fill 60%" in (
+        decision.reason
+    )
+
+
+def test_full_slots_raise_max_num_seqs_only_as_far_as_the_cache_holds() -> None:
+    # 64 sequences an engine fill 50 % of the cache: 96 fill 75 % of it, not 128.
+    half = window(requests_waiting=400.0, requests_running=128.0, kv_cache_usage=0.5,
+                  ttft_p95_s=4.0)  # fmt: skip
+    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(half)
+    assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 96)
+    # At 65 % only 73 would fit: too few to be worth a rolling restart, so engines instead.
+    tight = dataclasses.replace(half, kv_cache_usage=0.65)
+    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(tight)
+    assert decision.knob == REPLICAS
+
+
 def test_scale_up_follows_demand_at_most_tripling_and_stays_under_max() -> None:
     # 10 req/s served per engine, 40 req/s more given up on: demand wants 6 engines.
     flood = window(

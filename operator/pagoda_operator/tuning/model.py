@@ -112,6 +112,8 @@ class PolicyConfig:
     reject_cooldowns: float = 10.0
     oom_memory_cooldowns: float = 10.0
     max_num_seqs_factor: float = 2.0
+    # A raise of maxNumSeqs smaller than this (a rolling restart for a few slots) is not made.
+    min_max_num_seqs_raise: float = 1.25
     gpu_memory_step: float = 0.02
 
 
