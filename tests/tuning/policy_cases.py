@@ -57,7 +57,13 @@ def limits(**changes: Any) -> Limits:
 
 
 # Windows that each call for one rule, once they have lasted long enough.
-QUEUED_WITH_FREE_KV = window(requests_waiting=40.0, requests_running=128.0, ttft_p95_s=2.5)
+# Every slot of 64 busy, a queue, the cache 30 % full; the queue shrinks by 10 req/s, so one
+# engine carries the 10 req/s arriving while the other restarts for a bigger batch.
+QUEUED_WITH_FREE_KV = window(
+    requests_waiting=40.0, requests_running=128.0, ttft_p95_s=2.5, queue_growth_per_s=-10.0
+)
+# The same queue not draining: neither engine may stop, so more engines come first.
+QUEUED_STEADY = dataclasses.replace(QUEUED_WITH_FREE_KV, queue_growth_per_s=0.0)
 QUEUED_WITH_FULL_KV = window(
     requests_waiting=40.0, requests_running=100.0, kv_cache_usage=0.8, ttft_p95_s=2.5
 )

@@ -17,6 +17,7 @@ from .policy_cases import (
     KV_BOUND,
     OOM,
     PREEMPTING,
+    QUEUED_STEADY,
     QUEUED_WITH_FREE_KV,
     QUEUED_WITH_FULL_KV,
     Run,
@@ -52,6 +53,18 @@ def test_queue_with_kv_headroom_raises_max_num_seqs_after_hysteresis() -> None:
     assert "every batch slot busy" in decision.reason
 
 
+def test_a_bigger_batch_waits_while_its_rollout_would_deepen_the_overload() -> None:
+    # A queue that is not draining on 2 engines: restarting them one at a time for a bigger
+    # batch would leave one engine with all of it, so engines are added first...
+    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(QUEUED_STEADY)
+    assert (decision.knob, decision.old, decision.new) == (REPLICAS, 2, 3)
+    # ...unless replicas cannot grow: then the bigger batch is the only lever left.
+    bounds = {k: v for k, v in limits().bounds.items() if k != REPLICAS}
+    pinned = limits(bounds=bounds, fixed={REPLICAS: "pinned in spec.tuning.pinned"})
+    decision = Run(settings(replicas=2, seqs=64), pinned).until_change(QUEUED_STEADY)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+
+
 def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
     run = Run(settings(replicas=2, seqs=64), limits())
     decision = run.until_change(QUEUED_WITH_FULL_KV)
@@ -60,11 +73,16 @@ def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
     assert (decision.old, decision.new) == (2, 3)
 
 
+# A backlog far longer than the batch, draining at 15 req/s on 4 engines that serve 10 req/s
+# each: 3 engines carry the 25 req/s arriving while the 4th restarts.
+DRAINING = window(pods=4, requests_waiting=400.0, requests_running=256.0, ttft_p95_s=4.0,
+                  requests_per_s=40.0, queue_growth_per_s=-15.0)  # fmt: skip
+
+
 def test_full_slots_with_a_long_queue_raise_max_num_seqs_before_adding_engines() -> None:
-    # 64 slots busy on each engine, 400 requests waiting (far more than the batch), the
-    # cache 30 % full: 128 sequences an engine fill 60 % of it, so the bigger batch fits.
-    flood = window(requests_waiting=400.0, requests_running=128.0, ttft_p95_s=4.0)
-    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(flood)
+    # 64 slots busy on each engine, the cache 30 % full: 128 sequences an engine fill 60 %
+    # of it, so the bigger batch fits.
+    decision = Run(settings(replicas=4, seqs=64), limits()).until_change(DRAINING)
     assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
     assert "every batch slot busy with KV cache at 30%: 128 sequences fill 60%" in (
         decision.reason
@@ -73,14 +91,13 @@ def test_full_slots_with_a_long_queue_raise_max_num_seqs_before_adding_engines()
 
 def test_full_slots_raise_max_num_seqs_only_as_far_as_the_cache_holds() -> None:
     # 64 sequences an engine fill 50 % of the cache: 96 fill 75 % of it, not 128.
-    half = window(requests_waiting=400.0, requests_running=128.0, kv_cache_usage=0.5,
-                  ttft_p95_s=4.0)  # fmt: skip
-    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(half)
+    half = dataclasses.replace(DRAINING, kv_cache_usage=0.5)
+    decision = Run(settings(replicas=4, seqs=64), limits()).until_change(half)
     assert (decision.knob, decision.new) == (MAX_NUM_SEQS, 96)
-    # At 65 % only 73 would fit: too few to be worth a rolling restart, so engines instead.
-    tight = dataclasses.replace(half, kv_cache_usage=0.65)
-    decision = Run(settings(replicas=2, seqs=64), limits()).until_change(tight)
-    assert decision.knob == REPLICAS
+    # At 65 % only 73 would fit: too few to be worth restarting every engine.
+    run = Run(settings(replicas=4, seqs=64), limits())
+    tight = dataclasses.replace(DRAINING, kv_cache_usage=0.65)
+    assert all(run.step(tight).knob != MAX_NUM_SEQS for _ in range(10))
 
 
 def test_scale_up_follows_demand_at_most_tripling_and_stays_under_max() -> None:
@@ -295,10 +312,11 @@ def test_severe_overload_after_a_kept_scale_up_acts_before_the_cooldown_ends() -
 
 def test_inside_the_cooldown_only_changes_that_add_capacity_are_made() -> None:
     run = Run(settings(replicas=2, seqs=64), limits())
-    # Severe, with every slot busy and the cache nearly empty: the rule would raise
-    # maxNumSeqs, but inside the cooldown only replicas may be added.
+    # Severe, with every slot busy and the cache nearly empty: clients give up on 40 req/s,
+    # so engines come first, and inside the cooldown only more of them may be added.
     severe = dataclasses.replace(QUEUED_WITH_FREE_KV, ttft_p95_s=20.0, requests_waiting=100.0,
-                                 requests_running=128.0, aborted_per_s=5.0)  # fmt: skip
+                                 requests_running=128.0, aborted_per_s=40.0,
+                                 queue_growth_per_s=0.0)  # fmt: skip
     first = run.until_change(severe)
     run.step(window())  # the rollout, then a calm window that keeps it
     run.step(window())
@@ -348,7 +366,7 @@ def test_cooldown_holds_after_a_change() -> None:
     holds = [run.step(QUEUED_WITH_FREE_KV) for _ in range(int(COOLDOWN_S // 60) - 1)]
     assert all(d.action == "hold" for d in holds)
     assert any(d.reason.startswith("cooldown") for d in holds)
-    assert run.step(QUEUED_WITH_FREE_KV).action == "change"
+    assert run.step(QUEUED_STEADY).action == "change"
 
 
 def test_change_is_watched_only_after_the_rollout() -> None:
@@ -373,7 +391,7 @@ def test_a_rollout_past_its_deadline_is_reverted_and_its_value_banned() -> None:
     assert "rollout not complete 360s after the change (deadline 300s)" in revert.reason
     assert run.state["rejected"][0]["value"] == 128
     run.wait_cooldown(QUEUED_WITH_FREE_KV)
-    assert run.until_change(QUEUED_WITH_FREE_KV).knob == REPLICAS  # not 128 again
+    assert run.until_change(QUEUED_STEADY).knob == REPLICAS  # not 128 again
 
 
 def test_engines_restarting_while_a_change_rolls_out_revert_it_at_once() -> None:
@@ -415,7 +433,7 @@ def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
     assert run.settings[MAX_NUM_SEQS] == 64
     # The same queue again: 128 was tried and failed, so the tuner adds a replica instead.
     run.wait_cooldown(QUEUED_WITH_FREE_KV)
-    decision = run.until_change(QUEUED_WITH_FREE_KV)
+    decision = run.until_change(QUEUED_STEADY)
     assert decision.knob == REPLICAS
 
 
