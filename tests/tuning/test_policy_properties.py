@@ -7,7 +7,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagoda_operator.tuning.policy import DEFAULT_CONFIG, KNOBS, REPLICAS, Snapshot
+from pagoda_operator.tuning.policy import DEFAULT_CONFIG, KNOBS, REPLICAS, Limits, Snapshot
 
 from .policy_cases import Run, limits, window
 from .policy_cases import settings as current_settings
@@ -100,5 +100,18 @@ def test_changes_stay_in_bounds_one_knob_at_a_time_and_spare_pinned_knobs(
             low, high = bounded.bounds[knob]
             assert low <= run.settings[knob] <= high, decision
         if REPLICAS in changed and decision.action == "change":  # a revert goes all the way back
-            assert run.settings[REPLICAS] <= DEFAULT_CONFIG.max_scale_up_factor * before[REPLICAS]
+            # At most tripled, unless clients give up or TTFT is far over target: then the
+            # demand measured is added at once.
+            if not severe(snapshot, bounded):
+                assert run.settings[REPLICAS] <= (
+                    DEFAULT_CONFIG.max_scale_up_factor * before[REPLICAS]
+                )
             assert run.settings[REPLICAS] >= before[REPLICAS] - 1
+
+
+def severe(snapshot: Snapshot, limits: Limits) -> bool:
+    config = DEFAULT_CONFIG
+    ttft = snapshot.ttft_p95_s
+    return snapshot.aborted_per_s / max(snapshot.pods, 1) >= config.aborts_per_pod_s or (
+        ttft is not None and ttft > config.severe_ttft_factor * limits.ttft_target_s
+    )

@@ -497,7 +497,11 @@ def _overload_candidates(
                     f"{snapshot.kv_cache_usage * new / max(running, 1e-9):.0%} of it",
                 )
             )
-    scale_up = _scale_up(snapshot, replicas, why, capacity, config)
+    # Clients giving up or TTFT far over target: the demand measured is added at once, up
+    # to the bound, not at most max_scale_up_factor times as many.
+    severe = _severe(snapshot, limits, config)
+    ceiling = limits.bounds.get(REPLICAS, (replicas, replicas))[1] if severe else None
+    scale_up = _scale_up(snapshot, replicas, why, capacity, config, ceiling)
     return candidates + ([scale_up] if scale_up is not None else [])
 
 
@@ -513,17 +517,28 @@ def _batch_that_fits(snapshot: Snapshot, seqs: float, config: PolicyConfig) -> i
 
 
 def _scale_up(
-    snapshot: Snapshot, replicas: float, why: str, capacity: float | None, config: PolicyConfig
+    snapshot: Snapshot,
+    replicas: float,
+    why: str,
+    capacity: float | None,
+    config: PolicyConfig,
+    ceiling: float | None = None,
 ) -> Proposal | None:
     """Enough replicas for the demand at the rate each engine serves now, saturated.
 
     Demand is what was served, what clients gave up on and what the queue grew by; the
     queue's length itself is not demand (it says how long requests wait, not how many
-    arrive), so a long backlog does not inflate the count.
+    arrive), so a long backlog does not inflate the count. At most ``max_scale_up_factor`` times as many engines, so
+    one noisy window cannot ask for many, unless a ``ceiling`` is given (clients giving
+    up, TTFT far over target): each window short is then one more the SLO misses (a burst
+    that tripled the rate from 2 engines took two looks at the cap: 4 missed windows
+    where 3 remain).
     """
     demand = demand_per_s(snapshot)
     per_pod = capacity or snapshot.requests_per_s / max(snapshot.pods, 1)
-    most = config.max_scale_up_factor * replicas
+    most = max(replicas, ceiling) if ceiling is not None else (
+        config.max_scale_up_factor * replicas
+    )
     if per_pod <= 0:  # nothing served: no rate to size by, so one step at a time
         wanted = replicas + 1
     else:
