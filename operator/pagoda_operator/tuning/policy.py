@@ -536,8 +536,8 @@ def _scale_up(
     """
     demand = demand_per_s(snapshot)
     per_pod = capacity or snapshot.requests_per_s / max(snapshot.pods, 1)
-    most = max(replicas, ceiling) if ceiling is not None else (
-        config.max_scale_up_factor * replicas
+    most = (
+        max(replicas, ceiling) if ceiling is not None else (config.max_scale_up_factor * replicas)
     )
     if per_pod <= 0:  # nothing served: no rate to size by, so one step at a time
         wanted = replicas + 1
