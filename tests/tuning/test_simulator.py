@@ -8,16 +8,25 @@ import json
 from pathlib import Path
 
 import pytest
-from pagoda_operator.tuning.policy import MAX_NUM_SEQS, REPLICAS, Snapshot
+import yaml
+from pagoda_operator.tuning.policy import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, REPLICAS, Snapshot
 from pagoda_operator.tuning.sim import engine
 from pagoda_operator.tuning.sim.cluster import QueueAutoscaler, simulate
 from pagoda_operator.tuning.sim.engine import Replica, Request, engine_model
-from pagoda_operator.tuning.sim.report import APPROACHES, START, limits_for
-from pagoda_operator.tuning.sim.traces import TRACES, Trace, burst
+from pagoda_operator.tuning.sim.report import (
+    APPROACHES,
+    SETUPS,
+    START,
+    limits_for,
+    plot_name,
+    run_static,
+)
+from pagoda_operator.tuning.sim.traces import TRACES, Trace, burst, tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "inference" / "bench" / "results" / "sim_calibration_h200.json"
 RESULTS = ROOT / "operator" / "tuning-results"
+GPU_SAMPLE = ROOT / "manifests" / "samples" / "llmdeployment-gpu.yaml"
 MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
 
 
@@ -96,17 +105,56 @@ def test_a_queue_autoscaler_with_random_routing_runs_a_trace() -> None:
     assert max(result.timeline.replicas) >= 2 and result.rollouts >= 1
 
 
-def committed() -> dict[str, dict]:
-    rows = json.loads((RESULTS / "results.json").read_text())["traces"]
-    return {row["trace"]: row for row in rows}
+def test_the_gpu_sample_setup_is_the_sample_as_shipped() -> None:
+    """What the report runs as the GPU sample is what manifests/samples ships."""
+    spec = yaml.safe_load(GPU_SAMPLE.read_text())["spec"]
+    setup = SETUPS["gpu-sample"]
+    engine_spec, tuning = spec["engine"], spec["tuning"]
+    assert setup.start == {
+        REPLICAS: spec["replicas"],
+        MAX_NUM_SEQS: engine_spec["maxNumSeqs"],
+        GPU_MEMORY_UTILIZATION: engine_spec["gpuMemoryUtilization"],
+    }
+    for knob in (MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION):
+        bounds = tuning["bounds"][knob]
+        assert setup.bounds[knob] == (bounds["min"], bounds["max"])
+    assert setup.max_num_batched_tokens == engine_spec["maxNumBatchedTokens"]
+    assert setup.cooldown_s == tuning["cooldownSeconds"]
+    assert setup.autoscaler_target_waiting == spec["autoscaling"]["targetRequestsWaiting"]
+    for seqs in setup.static_max_num_seqs:
+        assert setup.bounds[MAX_NUM_SEQS][0] <= seqs <= setup.bounds[MAX_NUM_SEQS][1]
 
 
-def test_committed_results_compare_every_approach_on_every_trace() -> None:
+def test_the_tuner_runs_from_the_gpu_sample_within_its_bounds() -> None:
+    setup = SETUPS["gpu-sample"]
+    trace = short(tenants(), 300)
+    limits = limits_for(trace, setup=setup)
+    assert limits.max_num_batched_tokens == 8192 and limits.cooldown_s == 900
+    assert limits_for(trace, knobs=False, setup=setup).bounds == {REPLICAS: (1, 12)}
+    result = simulate(trace, setup.start, limits=limits, interval_s=60,
+                      max_num_batched_tokens=setup.max_num_batched_tokens)  # fmt: skip
+    low, high = setup.bounds[MAX_NUM_SEQS]
+    assert all(low <= seqs <= high for seqs in result.timeline.max_num_seqs)
+    assert result.timeline.max_num_seqs[0] == 256 and result.slo_windows == 5
+    # The static sweep runs from the same start: 2 engines at 256 cannot serve 120 req/s.
+    row = run_static("gpu-sample", "tenants", 256, 0.9, 2)
+    assert row["config"][MAX_NUM_SEQS] == 256 and not row["meets"]
+
+
+def committed() -> dict[str, dict[str, dict]]:
+    setups = json.loads((RESULTS / "results.json").read_text())["setups"]
+    return {setup["setup"]: {row["trace"]: row for row in setup["traces"]} for setup in setups}
+
+
+def test_committed_results_compare_every_approach_on_every_trace_from_both_starts() -> None:
     """Reported as they are: the test asserts the comparison exists, not a win."""
-    rows = committed()
-    assert set(rows) == set(TRACES)
-    for name, row in rows.items():
-        for approach in APPROACHES:
-            assert {"attainment", "gpu_hours", "preemptions", "rollouts"} <= set(row[approach])
-        assert "best_static" in row and "target_met" in row and "knobs_decide" in row
-        assert (RESULTS / f"{name}.png").stat().st_size > 10_000
+    results = committed()
+    assert set(results) == set(SETUPS)
+    for setup_name, rows in results.items():
+        assert set(rows) == set(TRACES)
+        for name, row in rows.items():
+            for approach in APPROACHES:
+                assert {"attainment", "gpu_hours", "preemptions", "rollouts"} <= set(row[approach])
+            assert row["best_static"] is not None and row["sweep"]
+            assert "target_met" in row and "knobs_decide" in row
+            assert (RESULTS / plot_name(SETUPS[setup_name], name)).stat().st_size > 10_000

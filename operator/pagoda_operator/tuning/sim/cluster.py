@@ -8,6 +8,7 @@ metrics an engine would export.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -256,15 +257,20 @@ def simulate(
     give_up_misses: int | None = None,
     autoscaler: QueueAutoscaler | None = None,
     routing: str = "random",
+    max_num_batched_tokens: int | None = None,
 ) -> Result:
     """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, with
     ``autoscaler`` a queue-driven autoscaler moves replicas, with neither the configuration
     stays as ``start`` says. ``give_up_misses`` ends a run early once that many SLO windows
-    are missed (a static sweep needs no more)."""
+    are missed (a static sweep needs no more); ``max_num_batched_tokens`` is the engines'
+    step budget when the spec sets one (else the calibration bench's)."""
     rng = np.random.default_rng(seed)
+    model = engine_model(trace.model)
+    if max_num_batched_tokens is not None:
+        model = dataclasses.replace(model, max_num_batched_tokens=max_num_batched_tokens)
     ttft_target_s = trace.ttft_target_s if ttft_target_s is None else ttft_target_s
     cluster = Cluster(
-        engine_model(trace.model),
+        model,
         int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION],
         routing=routing, seed=seed,
     )  # fmt: skip

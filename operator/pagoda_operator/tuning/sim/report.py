@@ -1,10 +1,13 @@
-"""Every approach on every trace at the product's defaults: a table, a JSON file and plots.
+"""Every approach on every trace, from two starts: a table, a JSON file and plots.
 
     cd operator && python -m pagoda_operator.tuning.sim.report --out tuning-results
 
-Side by side, each from the same start (2 replicas and the engine's defaults:
-``maxNumSeqs`` 1024, ``gpuMemoryUtilization`` 0.9) with the same
-replica bounds, a look every 60 s, a 600 s cooldown and a Service's random spread:
+The two starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
+``maxNumSeqs`` 1024 and ``gpuMemoryUtilization`` 0.9, the tuner's default cooldown), and
+the shipped GPU sample (``manifests/samples/llmdeployment-gpu.yaml``: ``maxNumSeqs`` 256,
+its tuning bounds, batch budget and cooldown, and its autoscaler's target). In each, side
+by side from the same start with the same replica bounds, a look every 60 s and a
+Service's random spread:
 
 - **tuned**: the operator's ``decide`` (Auto), all three knobs;
 - **knobs-off**: the same with ``maxNumSeqs`` and ``gpuMemoryUtilization`` pinned (replicas
@@ -15,7 +18,7 @@ replica bounds, a look every 60 s, a 600 s cooldown and a Service's random sprea
   the fewest replicas that meet the SLO (TTFT p95 within target in >= 95 % of one-minute
   windows).
 
-``--traces`` runs some of them; ``--no-static`` skips the static sweep (the slow part) while
+``--setups`` and ``--traces`` run some of them; ``--no-static`` skips the static sweep (the slow part) while
 iterating.
 """
 
@@ -25,6 +28,7 @@ import argparse
 import json
 import math
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,56 +43,111 @@ from pagoda_operator.tuning.sim.traces import TRACES, Trace
 
 SLO_ATTAINMENT = 0.95
 MAX_REPLICAS = 12
-STATIC_MAX_NUM_SEQS = (128, 256, 1024)
-STATIC_GPU_MEMORY = (0.9, 0.95)
-# The product's engine defaults on a GPU (maxNumSeqs left out resolves to 1024) on 2 replicas.
-START = {REPLICAS: 2, MAX_NUM_SEQS: 1024, GPU_MEMORY_UTILIZATION: 0.9}
-# The product's defaults (operator/README.md): one look a minute, a 10-minute cooldown, the
-# Service's random spread, and the autoscaler's target of 4 waiting requests per replica.
+# The product's defaults (operator/README.md): one look a minute and the Service's random
+# spread; the HPA controller's sync period.
 INTERVAL_S = 60.0
-COOLDOWN_S = 600.0
 ROUTING = "random"
-AUTOSCALER_PERIOD_S = 15.0  # the HPA controller's sync period
-AUTOSCALER_TARGET_WAITING = 4.0
-BOUNDS = {
-    REPLICAS: (1, MAX_REPLICAS),
-    MAX_NUM_SEQS: (16, 1024),
-    GPU_MEMORY_UTILIZATION: (0.85, 0.95),  # the range the calibration bench measured
-}
+AUTOSCALER_PERIOD_S = 15.0
 APPROACHES = ("tuned", "knobs-off", "queue-autoscaler")
 
 
-def limits_for(trace: Trace, knobs: bool = True) -> Limits:
+@dataclass(frozen=True)
+class Setup:
+    """Where every approach starts, and the user's settings it runs under."""
+
+    name: str
+    description: str
+    start: dict[str, float]
+    bounds: dict[str, tuple[float, float]]  # the tuner's; replicas' bound the autoscaler too
+    cooldown_s: float
+    autoscaler_target_waiting: float
+    static_max_num_seqs: tuple[int, ...]  # the best static configuration is sought among
+    static_gpu_memory: tuple[float, ...]  # these x these, each with the fewest replicas
+    max_num_batched_tokens: int | None = None  # None: the engine's (the bench's) budget
+
+
+SETUPS = {
+    "defaults": Setup(
+        "defaults",
+        "the product's defaults: maxNumSeqs left out (the engine resolves 1024 on a GPU), "
+        "gpuMemoryUtilization 0.9, the tuner's 600 s cooldown, the autoscaler's target of 4 "
+        "waiting requests per replica",
+        start={REPLICAS: 2, MAX_NUM_SEQS: 1024, GPU_MEMORY_UTILIZATION: 0.9},
+        bounds={
+            REPLICAS: (1, MAX_REPLICAS),
+            MAX_NUM_SEQS: (16, 1024),
+            GPU_MEMORY_UTILIZATION: (0.85, 0.95),
+        },
+        cooldown_s=600.0,
+        autoscaler_target_waiting=4.0,
+        static_max_num_seqs=(128, 256, 1024),
+        static_gpu_memory=(0.9, 0.95),
+    ),
+    # manifests/samples/llmdeployment-gpu.yaml as shipped (tests/tuning/test_simulator.py
+    # checks these against it): engine.maxNumSeqs 256, gpuMemoryUtilization 0.9,
+    # maxNumBatchedTokens 8192, tuning.bounds, tuning.cooldownSeconds 900, and
+    # autoscaling.targetRequestsWaiting 8. Not taken from it: its tensorParallelSize 2 (the
+    # engine is calibrated on one H200, which holds a 7B) and its replica bounds 2-4 (with
+    # them no approach serves the burst's or the diurnal peak; the same 1-12 as above).
+    "gpu-sample": Setup(
+        "gpu-sample",
+        "the shipped GPU sample: maxNumSeqs 256, gpuMemoryUtilization 0.9, "
+        "maxNumBatchedTokens 8192, tuning bounds maxNumSeqs 64-512 and gpuMemoryUtilization "
+        "0.8-0.95, a 900 s cooldown, the autoscaler's target of 8 waiting requests per replica",
+        start={REPLICAS: 2, MAX_NUM_SEQS: 256, GPU_MEMORY_UTILIZATION: 0.9},
+        bounds={
+            REPLICAS: (1, MAX_REPLICAS),
+            MAX_NUM_SEQS: (64, 512),
+            GPU_MEMORY_UTILIZATION: (0.8, 0.95),
+        },
+        cooldown_s=900.0,
+        autoscaler_target_waiting=8.0,
+        static_max_num_seqs=(64, 256, 512),
+        static_gpu_memory=(0.9, 0.95),
+        max_num_batched_tokens=8192,
+    ),
+}
+DEFAULTS = SETUPS["defaults"]
+START = DEFAULTS.start
+
+
+def limits_for(trace: Trace, knobs: bool = True, setup: Setup = DEFAULTS) -> Limits:
     """The user's limits: all three knobs, or replicas only (the knob-off ablation)."""
+    common = dict(cooldown_s=setup.cooldown_s, ttft_target_s=trace.ttft_target_s,
+                  max_num_batched_tokens=setup.max_num_batched_tokens)  # fmt: skip
     if knobs:
-        return Limits(bounds=BOUNDS, fixed={}, cooldown_s=COOLDOWN_S,
-                      ttft_target_s=trace.ttft_target_s)  # fmt: skip
+        return Limits(bounds=setup.bounds, fixed={}, **common)
     return Limits(
-        bounds={REPLICAS: BOUNDS[REPLICAS]},
+        bounds={REPLICAS: setup.bounds[REPLICAS]},
         fixed={MAX_NUM_SEQS: "knob-off ablation", GPU_MEMORY_UTILIZATION: "knob-off ablation"},
-        cooldown_s=COOLDOWN_S, ttft_target_s=trace.ttft_target_s,
-    )  # fmt: skip
+        **common,
+    )
 
 
 def meets_slo(result: Result) -> bool:
     return result.attainment >= SLO_ATTAINMENT
 
 
-def run_static(trace_name: str, seqs: int, memory: float, replicas: int) -> dict[str, Any]:
+def run_static(
+    setup_name: str, trace_name: str, seqs: int, memory: float, replicas: int
+) -> dict[str, Any]:
     trace = TRACES[trace_name]()
     windows = int(trace.duration_s // SLO_WINDOW_S)
     allowed = math.floor((1 - SLO_ATTAINMENT) * windows)
     start = {REPLICAS: replicas, MAX_NUM_SEQS: seqs, GPU_MEMORY_UTILIZATION: memory}
     result = simulate(trace, start, interval_s=INTERVAL_S, give_up_misses=allowed + 1,
-                      routing=ROUTING)  # fmt: skip
+                      routing=ROUTING,
+                      max_num_batched_tokens=SETUPS[setup_name].max_num_batched_tokens)  # fmt: skip
     return {"config": start, "gpu_hours": result.gpu_hours, "attainment": result.attainment,
             "preemptions": result.preemptions,
             "meets": meets_slo(result) and result.slo_windows == windows}  # fmt: skip
 
 
-def best_static(trace_name: str, pool: ProcessPoolExecutor) -> tuple[dict | None, list[dict]]:
+def best_static(
+    setup: Setup, trace_name: str, pool: ProcessPoolExecutor
+) -> tuple[dict | None, list[dict]]:
     """Per (maxNumSeqs, gpuMemoryUtilization), the fewest replicas that meet the SLO."""
-    combos = [(s, m) for s in STATIC_MAX_NUM_SEQS for m in STATIC_GPU_MEMORY]
+    combos = [(s, m) for s in setup.static_max_num_seqs for m in setup.static_gpu_memory]
     replicas = {combo: 1 for combo in combos}
     found: dict[tuple[int, float], dict] = {}
     sweep: list[dict] = []
@@ -96,7 +155,8 @@ def best_static(trace_name: str, pool: ProcessPoolExecutor) -> tuple[dict | None
         todo = [c for c in combos if c not in found and replicas[c] <= MAX_REPLICAS]
         if not todo:
             break
-        rows = list(pool.map(run_static, [trace_name] * len(todo), *zip(*todo),
+        rows = list(pool.map(run_static, [setup.name] * len(todo), [trace_name] * len(todo),
+                             *zip(*todo),
                              [replicas[c] for c in todo]))  # fmt: skip
         for combo, row in zip(todo, rows):
             sweep.append(row)
@@ -108,16 +168,18 @@ def best_static(trace_name: str, pool: ProcessPoolExecutor) -> tuple[dict | None
     return best, sweep
 
 
-def run_approach(trace_name: str, approach: str) -> Result:
-    """One approach at the product's defaults (see the module's docstring)."""
-    trace = TRACES[trace_name]()
+def run_approach(setup_name: str, trace_name: str, approach: str) -> Result:
+    """One approach from one setup's start (see the module's docstring)."""
+    setup, trace = SETUPS[setup_name], TRACES[trace_name]()
+    budget = setup.max_num_batched_tokens
     if approach == "queue-autoscaler":
-        low, high = BOUNDS[REPLICAS]
-        scaler = QueueAutoscaler(AUTOSCALER_TARGET_WAITING, int(low), int(high))
-        return simulate(trace, START, autoscaler=scaler, interval_s=AUTOSCALER_PERIOD_S,
-                        routing=ROUTING)  # fmt: skip
-    limits = limits_for(trace, knobs=approach == "tuned")
-    return simulate(trace, START, limits=limits, interval_s=INTERVAL_S, routing=ROUTING)
+        low, high = setup.bounds[REPLICAS]
+        scaler = QueueAutoscaler(setup.autoscaler_target_waiting, int(low), int(high))
+        return simulate(trace, setup.start, autoscaler=scaler, interval_s=AUTOSCALER_PERIOD_S,
+                        routing=ROUTING, max_num_batched_tokens=budget)  # fmt: skip
+    limits = limits_for(trace, knobs=approach == "tuned", setup=setup)
+    return simulate(trace, setup.start, limits=limits, interval_s=INTERVAL_S, routing=ROUTING,
+                    max_num_batched_tokens=budget)  # fmt: skip
 
 
 def summarize(result: Result) -> dict[str, Any]:
@@ -150,14 +212,19 @@ def probe_misses(result: Result) -> int:
     return misses
 
 
-def trace_row(trace_name: str, pool: ProcessPoolExecutor, static: bool) -> dict[str, Any]:
-    runs = dict(zip(APPROACHES, pool.map(run_approach, [trace_name] * len(APPROACHES),
-                                         APPROACHES)))  # fmt: skip
+def trace_row(
+    setup: Setup, trace_name: str, pool: ProcessPoolExecutor, static: bool
+) -> tuple[dict[str, Any], dict[str, Result]]:
+    count = len(APPROACHES)
+    runs = dict(zip(APPROACHES, pool.map(run_approach, [setup.name] * count,
+                                         [trace_name] * count, APPROACHES)))  # fmt: skip
     trace = TRACES[trace_name]()
     row: dict[str, Any] = {"trace": trace_name, "description": trace.description,
                            "ttft_target_s": trace.ttft_target_s}  # fmt: skip
     row |= {name: summarize(result) for name, result in runs.items()}
-    row["best_static"], row["sweep"] = best_static(trace_name, pool) if static else (None, [])
+    row["best_static"], row["sweep"] = (
+        best_static(setup, trace_name, pool) if static else (None, [])
+    )
     tuned, off, queue = (row[name] for name in APPROACHES)
     row["target_met"] = bool(
         tuned["attainment"] >= SLO_ATTAINMENT
@@ -175,7 +242,9 @@ def trace_row(trace_name: str, pool: ProcessPoolExecutor, static: bool) -> dict[
     return row, runs
 
 
-def plot(trace_name: str, trace: Trace, runs: dict[str, Result], path: Path) -> None:
+def plot(
+    setup: Setup, trace_name: str, trace: Trace, runs: dict[str, Result], path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,7 +254,7 @@ def plot(trace_name: str, trace: Trace, runs: dict[str, Result], path: Path) -> 
     first = next(iter(runs.values())).timeline
     axes[0].plot([t / 60 for t in first.time], first.rate, color="gray")
     axes[0].set_ylabel("requests/s")
-    axes[0].set_title(f"{trace_name}: {trace.description}")
+    axes[0].set_title(f"{trace_name} from {setup.name}: {trace.description}", fontsize=9)
     for name, result in runs.items():
         line = result.timeline
         minutes = [t / 60 for t in line.time]
@@ -206,32 +275,37 @@ def plot(trace_name: str, trace: Trace, runs: dict[str, Result], path: Path) -> 
     plt.close(fig)
 
 
-def _describe(row: dict | None) -> str:
-    if row is None:
-        return "none meets the SLO"
-    config = row["config"]
-    return (f"{config[REPLICAS]} x maxNumSeqs {config[MAX_NUM_SEQS]}, "
-            f"gpuMemoryUtilization {config[GPU_MEMORY_UTILIZATION]}")  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("tuning-results"))
+    parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES))
     parser.add_argument("--no-static", action="store_true", help="skip the static sweep")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    setups = []
     with ProcessPoolExecutor(2) as pool:
-        for name in args.traces:
-            row, runs = trace_row(name, pool, static=not args.no_static)
-            plot(name, TRACES[name](), runs, args.out / f"{name}.png")
-            rows.append(row)
-            print(*_rows(row), sep="\n", flush=True)
-    results = {"calibration": _calibration(), "traces": rows}
+        for setup in (SETUPS[name] for name in args.setups):
+            rows = []
+            for name in args.traces:
+                row, runs = trace_row(setup, name, pool, static=not args.no_static)
+                plot(setup, name, TRACES[name](), runs, args.out / plot_name(setup, name))
+                rows.append(row)
+                print(*_rows(row), sep="\n", flush=True)
+            setups.append({"setup": setup.name, "description": setup.description,
+                           "start": setup.start, "bounds": setup.bounds,
+                           "cooldown_s": setup.cooldown_s,
+                           "autoscaler_target_waiting": setup.autoscaler_target_waiting,
+                           "max_num_batched_tokens": setup.max_num_batched_tokens,
+                           "traces": rows})  # fmt: skip
+    results = {"calibration": _calibration(), "setups": setups}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-    (args.out / "results.md").write_text(_markdown(rows))
+    (args.out / "results.md").write_text(_markdown(setups))
     return 0
+
+
+def plot_name(setup: Setup, trace_name: str) -> str:
+    return f"{setup.name}-{trace_name}.png"
 
 
 def _calibration() -> dict[str, Any]:
@@ -267,21 +341,26 @@ def _rows(row: dict) -> list[str]:
     return lines
 
 
-def _markdown(rows: list[dict]) -> str:
-    header = (
-        "At the product's defaults (60 s looks, 600 s cooldown, random spread; the queue "
-        "autoscaler on 4 waiting requests per replica every 15 s); Qwen2.5-7B shape on H200:\n\n"
-        "| trace | approach | SLO windows met | GPU-hours | preemptions | rollouts | "
-        "maxNumSeqs | gpuMemoryUtilization |\n|---|---|---|---|---|---|---|---|\n"
-    )
-    body = "\n".join(line for row in rows for line in _rows(row))
-    verdicts = "\n".join(
-        f"- {row['trace']} (TTFT p95 target {row['ttft_target_s']:g} s): target "
-        f"{'met' if row['target_met'] else 'MISSED'}; engine knobs "
-        f"{'made the difference' if row['knobs_decide'] else 'did not make the difference'}"
-        for row in rows
-    )
-    return header + body + "\n\n" + verdicts + "\n"
+def _markdown(setups: list[dict]) -> str:
+    parts = []
+    for setup in setups:
+        rows = setup["traces"]
+        header = (
+            f"## From {setup['description']}\n\n"
+            "60 s looks, random spread; the queue autoscaler every 15 s; replicas 1-12; "
+            "Qwen2.5-7B shape on one H200 a replica:\n\n"
+            "| trace | approach | SLO windows met | GPU-hours | preemptions | rollouts | "
+            "maxNumSeqs | gpuMemoryUtilization |\n|---|---|---|---|---|---|---|---|\n"
+        )
+        body = "\n".join(line for row in rows for line in _rows(row))
+        verdicts = "\n".join(
+            f"- {row['trace']} (TTFT p95 target {row['ttft_target_s']:g} s): target "
+            f"{'met' if row['target_met'] else 'MISSED'}; engine knobs "
+            f"{'made the difference' if row['knobs_decide'] else 'did not make the difference'}"
+            for row in rows
+        )
+        parts.append(header + body + "\n\n" + verdicts + "\n")
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":
