@@ -117,18 +117,19 @@ def test_scale_up_follows_demand_at_most_tripling_and_stays_under_max() -> None:
 
 
 def test_clients_giving_up_get_the_engines_the_demand_needs_at_once() -> None:
-    # The same 60 req/s, 40 of them given up on: every window short is one more the SLO
-    # misses, so all 8 engines at once, not 6 and then more a cooldown later...
-    flood = window(requests_waiting=2000.0, requests_running=100.0, kv_cache_usage=0.8,
+    # The same 60 req/s, 40 of them given up on, and 600 requests queued on the engines
+    # there: every window short is one more the SLO misses, so at once the engines for the
+    # 60 req/s arriving and for the queue to drain within a window (10 req/s more): 70 at
+    # 85 % of 10 req/s an engine want 9, not 6 and then more a cooldown later...
+    flood = window(requests_waiting=600.0, requests_running=100.0, kv_cache_usage=0.8,
                    ttft_p95_s=30.0, aborted_per_s=40.0)  # fmt: skip
     wide = limits(bounds={**limits().bounds, REPLICAS: (1, 12)})
     decision = Run(settings(replicas=2), wide).step(flood)
-    assert (decision.knob, decision.new) == (REPLICAS, 8)
+    assert (decision.knob, decision.new) == (REPLICAS, 9)
+    assert "demand 60 req/s and 600 queued" in decision.reason
     # ...and still no more than the bound.
-    assert (
-        Run(settings(replicas=2), limits(bounds={**wide.bounds, REPLICAS: (1, 5)})).step(flood).new
-        == 5
-    )
+    capped = limits(bounds={**wide.bounds, REPLICAS: (1, 5)})
+    assert Run(settings(replicas=2), capped).step(flood).new == 5
 
 
 def test_clients_giving_up_skip_the_hysteresis() -> None:

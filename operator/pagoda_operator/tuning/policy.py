@@ -532,9 +532,13 @@ def _scale_up(
     one noisy window cannot ask for many, unless a ``ceiling`` is given (clients giving
     up, TTFT far over target): each window short is then one more the SLO misses (a burst
     that tripled the rate from 2 engines took two looks at the cap: 4 missed windows
-    where 3 remain).
+    where 3 remain), and the queue to drain counts too.
     """
     demand = demand_per_s(snapshot)
+    # In a severe overload, also the queue, drained within a window: the requests queued on
+    # an engine stay there (a Service does not move them), so the engines there need a
+    # smaller share of what arrives to get through them while clients still wait.
+    backlog = snapshot.requests_waiting / snapshot.window_s if ceiling is not None else 0.0
     per_pod = capacity or snapshot.requests_per_s / max(snapshot.pods, 1)
     most = (
         max(replicas, ceiling) if ceiling is not None else (config.max_scale_up_factor * replicas)
@@ -542,14 +546,16 @@ def _scale_up(
     if per_pod <= 0:  # nothing served: no rate to size by, so one step at a time
         wanted = replicas + 1
     else:
-        wanted = min(most, demand / (per_pod * config.scale_up_utilization))
+        wanted = min(most, (demand + backlog) / (per_pod * config.scale_up_utilization))
     if math.ceil(wanted) <= replicas and snapshot.queue_growth_per_s <= 0:
         return None  # the engines there can serve the demand: the backlog is draining
     new = min(max(math.ceil(wanted), replicas + 1), most)
     return Proposal(
         REPLICAS,
         new,
-        f"{why}; demand {demand:.3g} req/s, {per_pod:.3g} req/s served per engine",
+        f"{why}; demand {demand:.3g} req/s"
+        + (f" and {snapshot.requests_waiting:.3g} queued" if backlog else "")
+        + f", {per_pod:.3g} req/s served per engine",
     )
 
 
