@@ -28,7 +28,6 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ import triton.testing  # noqa: E402
 
 import kernels  # noqa: E402
 from inference.bench import gemv_fp8  # noqa: E402
+from inference.bench.cuda_timing import graph_us  # noqa: E402
 from kernels import _gemv_table  # noqa: E402
 from kernels._float64 import rel_err, silu_and_mul64  # noqa: E402
 from kernels._gemv_table import GemvConfig  # noqa: E402
@@ -205,32 +205,6 @@ class Case:
             lambda x=x, w=w, b=b: fn(x, w, b)
             for x, w, b in zip(self.xs, self.weights, self.biases, strict=True)
         ]
-
-
-def graph_us(calls: list[Callable[[], Any]], min_launches: int = 128) -> float:
-    """GPU microseconds a call: the rotated calls captured (repeated) in one CUDA graph,
-    replayed 5 times, median of event-timed replays. Launch overhead is excluded, as in
-    the engine's decode graphs."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    reps = max(1, -(-min_launches // len(calls)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for call in calls:
-                call()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / (reps * len(calls))
 
 
 def bench_us(calls: list[Callable[[], Any]]) -> float:

@@ -26,7 +26,6 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import torch
 import triton
 
 import kernels
+from inference.bench.cuda_timing import graph_us
 from kernels import _gemv_table
 from kernels._float64 import fp8_linear64, rel_err
 from kernels._gemv_table import GemvConfig
@@ -189,31 +189,6 @@ class Case:
             lambda x=x, w=w, s=s, b=b: fn(x, w, s, b)
             for x, w, s, b in zip(self.xs, self.weights, self.scales, self.biases, strict=True)
         ]
-
-
-def graph_us(calls: list[Callable[[], Any]], min_launches: int = 128) -> float:
-    """GPU microseconds a call: the rotated calls captured (repeated) in one CUDA graph,
-    median of 5 event-timed replays (launch overhead excluded, as in the decode graphs)."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    reps = max(1, -(-min_launches // len(calls)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for call in calls:
-                call()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / (reps * len(calls))
 
 
 time_us = graph_us  # the CPU test replaces the timer

@@ -209,13 +209,13 @@ def models(tmp_path_factory):
     return built
 
 
-def _run_matrix_row(models, index, setting, dtype="float32"):
+def _run_matrix_row(models, index, setting, dtype="float32", quantization=None, seed=2000):
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
-    engine = _engine(folder, dtype=dtype, max_model_len=MAX_MODEL_LEN,
+    engine = _engine(folder, dtype=dtype, quantization=quantization, max_model_len=MAX_MODEL_LEN,
                      **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     workload = random_workload(
-        2000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
+        seed + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
         block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
     )
     results = run_workload(engine, workload)
@@ -290,20 +290,9 @@ def test_matrix_fp8_weights(models, index):
     """quantization="fp8" in float32 (the Triton FP8 GEMV for decode, the reference for
     prefill) against the scheme in transformers."""
     setting = GPU_MATRIX[index]
-    arch = ARCHS[index % len(ARCHS)]
-    folder, model = models[arch]
-    engine = _engine(folder, dtype="float32", quantization="fp8", max_model_len=MAX_MODEL_LEN,
-                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
-    try:
-        workload = random_workload(
-            5000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
-            block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
-        )
-        results = run_workload(engine, workload)
-        check_results_complete(workload, results)
-        assert engine.block_manager.num_free_blocks == engine.num_total_blocks
-    finally:
-        engine.shutdown()
+    arch, model, results, _, workload = _run_matrix_row(models, index, setting,
+                                                        quantization="fp8", seed=5000)
+    folder = models[arch][0]
     report = compare(results, _fp8_reference(folder, model))
     plain = compare(results, Reference(model.to("cuda").float(), "cuda"))
     print(f"\n{arch} fp8 {setting_id(setting)}: {report.summary()}; against the unquantized "
@@ -321,19 +310,9 @@ def test_matrix_fp8_weights_bf16(models, index):
     for prefill, the FP8 GEMV for decode): within 2x the scheme's own bfloat16 noise
     (transformers' fake-quantized model in bfloat16 against it in float32)."""
     setting = GPU_MATRIX[index]
-    arch = ARCHS[index % len(ARCHS)]
-    folder, model = models[arch]
-    engine = _engine(folder, dtype="bfloat16", quantization="fp8", max_model_len=MAX_MODEL_LEN,
-                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
-    try:
-        workload = random_workload(
-            6000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
-            block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
-        )
-        results = run_workload(engine, workload)
-        check_results_complete(workload, results)
-    finally:
-        engine.shutdown()
+    arch, model, results, _, _ = _run_matrix_row(models, index, setting, dtype="bfloat16",
+                                                  quantization="fp8", seed=6000)
+    folder = models[arch][0]
     ref32 = _fp8_reference(folder, model)
     report = compare(results, ref32, tie_tol=0.0)
     noise = bf16_noise(results, ref32, _fp8_reference(folder, model, torch.bfloat16))
