@@ -65,6 +65,35 @@ def test_a_bigger_batch_waits_while_its_rollout_would_deepen_the_overload() -> N
     assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
 
 
+def test_a_rollout_that_surges_without_unavailable_engines_raises_the_batch_at_once() -> None:
+    # The same queue that is not draining: with maxSurge 1 and maxUnavailable 0 each new
+    # engine starts before an old one stops, so the bigger batch costs no serving capacity.
+    surging = limits(rollout_unavailable=0)
+    decision = Run(settings(replicas=2, seqs=64), surging).until_change(QUEUED_STEADY)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+    # Every other rule still holds it: a full cache adds engines instead...
+    decision = Run(settings(replicas=2, seqs=64), surging).until_change(QUEUED_WITH_FULL_KV)
+    assert decision.knob == REPLICAS
+    # ...and the bound caps it.
+    capped = limits(rollout_unavailable=0, bounds={**limits().bounds, MAX_NUM_SEQS: (8, 64)})
+    decision = Run(settings(replicas=2, seqs=64), capped).until_change(QUEUED_STEADY)
+    assert decision.knob == REPLICAS
+
+
+def test_a_bigger_batch_counts_the_engines_its_rollout_takes_away() -> None:
+    # Three engines serving 10 req/s each; the queue shrinks by 10 req/s, so the demand is
+    # 20 req/s: two engines carry it while one restarts (maxUnavailable 1)...
+    draining = window(pods=3, requests_waiting=60.0, requests_running=192.0, ttft_p95_s=2.5,
+                      requests_per_s=30.0, queue_growth_per_s=-10.0)  # fmt: skip
+    one_down = Run(settings(replicas=3, seqs=64), limits()).until_change(draining)
+    assert (one_down.knob, one_down.new) == (MAX_NUM_SEQS, 128)
+    # ...one does not while two restart (maxUnavailable 2), nor none while all do (Recreate):
+    # the batch stays (the queue drains on the engines there).
+    for unavailable in (2, None):
+        run = Run(settings(replicas=3, seqs=64), limits(rollout_unavailable=unavailable))
+        assert all(run.step(draining).action == "hold" for _ in range(6))
+
+
 def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
     run = Run(settings(replicas=2, seqs=64), limits())
     decision = run.until_change(QUEUED_WITH_FULL_KV)

@@ -70,6 +70,19 @@ def test_limits_follow_bounds_pins_autoscaling_and_slo() -> None:
     assert current_settings(spec()) == {REPLICAS: 2, MAX_NUM_SEQS: 64, GPU_MEMORY_UTILIZATION: 0.9}
 
 
+def test_limits_know_how_many_engines_a_rollout_takes_away() -> None:
+    def unavailable(rollout: dict) -> int | None:
+        user = spec()
+        user["rollout"] = rollout
+        return limits_from_spec(user).rollout_unavailable
+
+    assert unavailable({"strategy": "RollingUpdate"}) == 1  # the product's default
+    assert unavailable({"strategy": "RollingUpdate", "maxSurge": 1}) == 0
+    assert unavailable({"strategy": "RollingUpdate", "maxSurge": 1, "maxUnavailable": 0}) == 0
+    assert unavailable({"strategy": "RollingUpdate", "maxUnavailable": 2}) == 2
+    assert unavailable({"strategy": "Recreate"}) is None
+
+
 def test_overrides_hold_until_the_user_changes_the_knob_pins_it_or_leaves_auto() -> None:
     user = spec()
     overrides = with_change(user, {}, MAX_NUM_SEQS, 128.0)

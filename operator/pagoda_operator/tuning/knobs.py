@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagoda_operator.desired import rollout_strategy
 from pagoda_operator.overrides import (
     recorded_overrides,
     settings_of,
@@ -75,7 +76,18 @@ def limits_from_spec(spec: dict[str, Any]) -> Limits:
             tuning.get("rolloutDeadlineSeconds")
             or int(spec["startupTimeoutSeconds"]) + ROLLOUT_DEADLINE_MARGIN_SECONDS
         ),
+        rollout_unavailable=rollout_unavailable(spec),
     )
+
+
+def rollout_unavailable(spec: dict[str, Any]) -> int | None:
+    """Engines the Deployment's rollout takes out of service at once (None: all of them,
+    Recreate), as the Deployment is rendered (maxUnavailable 1 by default, 0 with a surge
+    and none given)."""
+    strategy = rollout_strategy(spec)
+    if strategy["type"] == "Recreate":
+        return None
+    return int(strategy["rollingUpdate"]["maxUnavailable"])
 
 
 def overrides_in_force(

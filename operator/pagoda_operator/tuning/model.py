@@ -75,6 +75,11 @@ class Limits:
     max_num_batched_tokens: int | None = None  # maxNumSeqs may not exceed it
     # A change whose rollout has not completed this long after it was made is reverted.
     rollout_deadline_s: float = 2100.0
+    # Engines a change of maxNumSeqs or gpuMemoryUtilization takes out of service at once
+    # while it rolls out (the Deployment's maxUnavailable; None: all of them, Recreate). A
+    # rollout with a surge and maxUnavailable 0 starts each new engine before an old one
+    # stops, and loses none.
+    rollout_unavailable: int | None = 1
 
 
 @dataclass(frozen=True)

@@ -478,13 +478,16 @@ def _overload_candidates(
     # Every slot busy and requests waiting, whatever the queue's length: a bigger batch
     # serves more on the same GPU (a sequence adds ~11.5 us to a decode step of ~4 ms; a
     # replica costs a GPU), so it comes first, as far as the cache measured says it fits.
-    # But every engine restarts to take it, one at a time: while it rolls out one engine
-    # fewer serves, which deepens an overload that more engines would relieve. So it comes
-    # first only when the others carry the demand meanwhile, or replicas cannot grow.
+    # But every engine restarts to take it: with the default rollout (maxUnavailable 1)
+    # one engine fewer serves while it rolls out, which deepens an overload that more
+    # engines would relieve. So it comes first only when the engines left serving carry the
+    # demand meanwhile, or replicas cannot grow; a rollout that surges with maxUnavailable
+    # 0 takes none away, and loses nothing to wait for.
     waiting = snapshot.requests_waiting > 0
     can_add = REPLICAS in limits.bounds and replicas < limits.bounds[REPLICAS][1]
     per_pod = capacity or snapshot.requests_per_s / pods
-    carried = (pods - 1) * per_pod >= demand_per_s(snapshot) or not can_add
+    down = pods if limits.rollout_unavailable is None else min(limits.rollout_unavailable, pods)
+    carried = down == 0 or (pods - down) * per_pod >= demand_per_s(snapshot) or not can_add
     if slots_full and waiting and carried and snapshot.preemptions_per_s == 0 and itl_ok:
         new = _batch_that_fits(snapshot, seqs, config)
         if new >= config.min_max_num_seqs_raise * seqs:
