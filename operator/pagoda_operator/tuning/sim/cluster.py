@@ -109,8 +109,13 @@ class Cluster:
         gpu_memory_utilization: float,
         routing: str = "random",
         seed: int = 0,
+        max_surge: int = 0,
+        max_unavailable: int = 1,
     ):
+        if max_surge == 0 and max_unavailable == 0:
+            raise ValueError("maxSurge and maxUnavailable cannot both be 0")
         self.model = model
+        self.max_surge, self.max_unavailable = max_surge, max_unavailable
         self.desired = {
             REPLICAS: replicas,
             MAX_NUM_SEQS: max_num_seqs,
@@ -156,22 +161,44 @@ class Cluster:
             loads[index] += 1
 
     def rollout(self, now: float) -> None:
-        """The Deployment controller with the product's rollout (maxSurge 0, maxUnavailable
-        1): scale to ``desired`` replicas, and replace replicas with other settings one at a
-        time, the old one stopped as its successor starts."""
-        active = self.active()
+        """The Deployment controller with spec.rollout's RollingUpdate (the product's
+        default: maxSurge 0, maxUnavailable 1): scale to ``desired`` replicas, and replace
+        replicas with other settings while at most ``desired + maxSurge`` run and at least
+        ``desired - maxUnavailable`` are ready. A surge pod starts (and costs its GPU)
+        before an old one stops; a stopped one drains (``_drain``)."""
         desired = int(self.desired[REPLICAS])
-        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
-        for replica in by_preference[: max(0, len(active) - desired)]:
-            self._drain(replica, now)
         active = self.active()
         old = [r for r in active if r.settings != self.target]
-        starting = [r for r in active if not r.ready(now)]
-        active += [self._new_replica(now) for _ in range(desired - len(active))]
-        if old and not starting:
-            self._drain(old[0], now)
-            active = [r for r in active if r is not old[0]] + [self._new_replica(now)]
-        self.replicas = active + [r for r in self.replicas if r.draining]
+        most = desired + (self.max_surge if old else 0)
+        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
+        for replica in by_preference[: max(0, len(active) - most)]:
+            self._drain(replica, now)
+        self._scale_up_new(desired, now)
+        # Old replicas stop as far as the ready ones stay at desired - maxUnavailable, and
+        # new ones still starting count as unavailable (the controller's maxScaledDown);
+        # those not ready go first.
+        active = self.active()
+        old = sorted((r for r in active if r.settings != self.target), key=lambda r: r.ready(now))
+        starting_new = sum(not r.ready(now) for r in active if r.settings == self.target)
+        budget = len(active) - (desired - self.max_unavailable) - starting_new
+        ready_budget = sum(r.ready(now) for r in active) - (desired - self.max_unavailable)
+        for replica in old[: max(0, budget)]:
+            if replica.ready(now):
+                if ready_budget <= 0:
+                    break
+                ready_budget -= 1
+            self._drain(replica, now)
+        self._scale_up_new(desired, now)
+        self.replicas = self.active() + [r for r in self.replicas if r.draining]
+
+    def _scale_up_new(self, desired: int, now: float) -> None:
+        """New replicas up to ``desired`` of them, within ``desired + maxSurge`` in all
+        while old ones run."""
+        active = self.active()
+        new = [r for r in active if r.settings == self.target]
+        most = desired + (self.max_surge if len(new) < len(active) else 0)
+        count = max(0, min(most - len(active), desired - len(new)))
+        self.replicas += [self._new_replica(now) for _ in range(count)]
 
     def _new_replica(self, now: float) -> Replica:
         return Replica(self.model, *self.target, now + self.model.startup_s)
@@ -258,12 +285,15 @@ def simulate(
     autoscaler: QueueAutoscaler | None = None,
     routing: str = "random",
     max_num_batched_tokens: int | None = None,
+    max_surge: int = 0,
+    max_unavailable: int = 1,
 ) -> Result:
     """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, with
     ``autoscaler`` a queue-driven autoscaler moves replicas, with neither the configuration
     stays as ``start`` says. ``give_up_misses`` ends a run early once that many SLO windows
     are missed (a static sweep needs no more); ``max_num_batched_tokens`` is the engines'
-    step budget when the spec sets one (else the calibration bench's)."""
+    step budget when the spec sets one (else the calibration bench's); ``max_surge`` and
+    ``max_unavailable`` are spec.rollout's (the product's default: 0 and 1)."""
     rng = np.random.default_rng(seed)
     model = engine_model(trace.model)
     if max_num_batched_tokens is not None:
@@ -272,7 +302,7 @@ def simulate(
     cluster = Cluster(
         model,
         int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION],
-        routing=routing, seed=seed,
+        routing=routing, seed=seed, max_surge=max_surge, max_unavailable=max_unavailable,
     )  # fmt: skip
     timeline, state, rollouts = Timeline(ttft_target_s=ttft_target_s), None, 0
     window_ttfts: list[float] = []
