@@ -78,6 +78,11 @@ def test_a_rollout_that_surges_without_unavailable_engines_raises_the_batch_at_o
     capped = limits(rollout_unavailable=0, bounds={**limits().bounds, MAX_NUM_SEQS: (8, 64)})
     decision = Run(settings(replicas=2, seqs=64), capped).until_change(QUEUED_STEADY)
     assert decision.knob == REPLICAS
+    # In a severe overload engines come first all the same: the rollout and the window that
+    # judges it hold every other change for minutes, each a window over the SLO.
+    severe = dataclasses.replace(QUEUED_STEADY, ttft_p95_s=20.0, queue_growth_per_s=5.0)
+    decision = Run(settings(replicas=2, seqs=64), surging).until_change(severe)
+    assert decision.knob == REPLICAS
 
 
 def test_a_bigger_batch_counts_the_engines_its_rollout_takes_away() -> None:

@@ -481,13 +481,20 @@ def _overload_candidates(
     # But every engine restarts to take it: with the default rollout (maxUnavailable 1)
     # one engine fewer serves while it rolls out, which deepens an overload that more
     # engines would relieve. So it comes first only when the engines left serving carry the
-    # demand meanwhile, or replicas cannot grow; a rollout that surges with maxUnavailable
-    # 0 takes none away, and loses nothing to wait for.
+    # demand meanwhile, or replicas cannot grow. A rollout that surges with maxUnavailable
+    # 0 takes none away, but it still holds every other change until it has rolled out and
+    # been judged (minutes): in a severe overload each of those windows misses the SLO, and
+    # engines, which start at once, come first.
     waiting = snapshot.requests_waiting > 0
     can_add = REPLICAS in limits.bounds and replicas < limits.bounds[REPLICAS][1]
     per_pod = capacity or snapshot.requests_per_s / pods
     down = pods if limits.rollout_unavailable is None else min(limits.rollout_unavailable, pods)
-    carried = down == 0 or (pods - down) * per_pod >= demand_per_s(snapshot) or not can_add
+    severe = _severe(snapshot, limits, config)
+    carried = (
+        (down == 0 and not severe)
+        or (pods - down) * per_pod >= demand_per_s(snapshot)
+        or not can_add
+    )
     if slots_full and waiting and carried and snapshot.preemptions_per_s == 0 and itl_ok:
         new = _batch_that_fits(snapshot, seqs, config)
         if new >= config.min_max_num_seqs_raise * seqs:
@@ -502,7 +509,6 @@ def _overload_candidates(
             )
     # Clients giving up or TTFT far over target: the demand measured is added at once, up
     # to the bound, not at most max_scale_up_factor times as many.
-    severe = _severe(snapshot, limits, config)
     ceiling = limits.bounds.get(REPLICAS, (replicas, replicas))[1] if severe else None
     scale_up = _scale_up(snapshot, replicas, why, capacity, config, ceiling)
     return candidates + ([scale_up] if scale_up is not None else [])
