@@ -284,9 +284,11 @@ class EmulatedCluster:
 
 
 def wait_for(
-    probe: Callable[[], Any], *, timeout: float = 20.0, interval: float = 0.1, what: str = ""
-) -> Any:
-    """Polls ``probe`` until it returns something truthy; fails the test after ``timeout``."""
+    probe: Callable[[], Any], *, timeout: float = 20.0, interval: float = 0.1,
+    what: str | Callable[[], str] = "",
+) -> Any:  # fmt: skip
+    """Polls ``probe`` until it returns something truthy; fails the test after ``timeout``.
+    ``what`` may be a callable, evaluated on failure (to show the state that was waited on)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -294,4 +296,7 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or probe}: last={last!r}")
+    described = what() if callable(what) else what
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {described or probe}: last={last!r}"
+    )

@@ -475,7 +475,7 @@ def test_auto_change_that_rolls_out_is_judged_on_the_windows_after_it_and_kept(
             None,
         ),
         timeout=DEADLINE_S,
-        what="the change judged and kept",
+        what=lambda: f"the change judged and kept (tuning status: {tuning(cluster, KEPT)})",
     )  # fmt: skip
     assert (kept["action"], kept["knob"], kept["from"], kept["to"], kept["mode"]) == (
         "change", "maxNumSeqs", 4, 8, "Auto",
