@@ -482,12 +482,28 @@ def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
     assert (decision.action, decision.knob, decision.old, decision.new) == (
         "revert", MAX_NUM_SEQS, 128, 64,
     )  # fmt: skip
-    assert "generation 5000 -> 2000 tok/s" in decision.reason
+    assert "tokens processed (prompt + generated) 5000 -> 2000/s" in decision.reason
     assert run.settings[MAX_NUM_SEQS] == 64
     # The same queue again: 128 was tried and failed, so the tuner adds a replica instead.
     run.wait_cooldown(QUEUED_WITH_FREE_KV)
     decision = run.until_change(QUEUED_STEADY)
     assert decision.knob == REPLICAS
+
+
+def test_a_raise_is_judged_on_the_engines_work_not_on_generated_tokens_alone() -> None:
+    """The first window after a rollout: the restarted engines prefill the queue again, so
+    generated tokens dip while the work done (prompt + generated) holds (the live CPU test's
+    numbers, where a raise that served as fast was reverted)."""
+    before = dataclasses.replace(QUEUED_WITH_FREE_KV, generation_tokens_per_s=10.67,
+                                 prompt_tokens_per_s=42.67)  # fmt: skip
+    run = Run(settings(seqs=64), limits())
+    run.until_change(before)
+    run.step(window())
+    refilling = dataclasses.replace(before, generation_tokens_per_s=1.28, prompt_tokens_per_s=40.95)
+    decision = run.step(refilling)
+    assert decision.action == "hold" and decision.verdict is not None, decision
+    assert decision.verdict.startswith("kept maxNumSeqs 64 -> 128"), decision.verdict
+    assert run.settings[MAX_NUM_SEQS] == 128
 
 
 def test_scale_down_that_broke_the_slo_is_reverted() -> None:
