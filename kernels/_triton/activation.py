@@ -4,9 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, width, BLOCK: tl.constexpr):
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -27,5 +30,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(x_rows.shape[0], triton.cdiv(width, block))](
             x_rows, out, x_rows.stride(0), out.stride(0), width,
             BLOCK=block, num_warps=4 if block >= 512 else 1,
+            launch_pdl=launch_pdl(x_rows),
         )  # fmt: skip
     return out.view(*x.shape[:-1], width)

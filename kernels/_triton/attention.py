@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels._backend import num_sms
 from kernels._triton.kv_cache import scale_args
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 # Partial results of the split path are float32 [T, Hq, segments, D]; past this size the
 # split costs more traffic than the occupancy it buys.
@@ -77,6 +78,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -217,6 +219,7 @@ def _merge_segments_kernel(
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Rows past the last sequence (batch padding) were never computed.
@@ -435,6 +438,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
         FP32_DOT=q.dtype == torch.float32, KV_FP8=kv_fp8,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        launch_pdl=launch_pdl(out),
     )  # fmt: skip
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
@@ -443,4 +447,5 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
             NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
             NUM_SEGMENTS=num_segments,
             num_warps=4 if head_pad >= 128 else 2,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip

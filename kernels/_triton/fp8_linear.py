@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
 from kernels._triton.fp8_quant import quantize_per_token
 from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
@@ -116,6 +117,7 @@ def _fp8_gemv_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,6 +211,7 @@ def _fp8_gemv_dot_kernel(
     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREQUANT: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,6 +300,7 @@ def launch(
             HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0,
             VEC=min(16 // weight.element_size(), block_k), PREQUANT=prequant,
             num_warps=config.num_warps, num_stages=config.num_stages,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     else:
         _fp8_gemv_dot_kernel[grid](
@@ -304,12 +308,14 @@ def launch(
             BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
             HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, PREQUANT=prequant,
             num_warps=config.num_warps, num_stages=config.num_stages,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     if use_ws:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             workspace, bias_arg, out, m, n, out.stride(0), split,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     return out
 

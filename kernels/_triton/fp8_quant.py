@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
+
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 # Rows up to this many elements are held in registers and read once; longer rows are read
@@ -18,6 +20,7 @@ def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -51,5 +54,6 @@ def quantize_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _quantize_kernel[(m,)](
         rows, q, scale, k, rows.stride(0), q.stride(0),
         BLOCK_K=block_k, ONE_PASS=k <= block_k, num_warps=num_warps,
+        launch_pdl=launch_pdl(rows),
     )  # fmt: skip
     return q, scale

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 from kernels.kv_cache import FP8_KV_DTYPE, FP8_KV_MAX
 
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
@@ -51,6 +52,7 @@ def _write_kv_cache_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -95,4 +97,5 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, KV_FP8=kv_fp8,
         num_warps=1 if heads_pad * head_pad <= 256 else 4,
+        launch_pdl=launch_pdl(key),
     )  # fmt: skip

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -75,6 +76,7 @@ def _gemv_fma_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,6 +152,7 @@ def _gemv_dot_kernel(
     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,6 +191,7 @@ def _splitk_reduce_kernel(
     ws_ptr, b_ptr, out_ptr, M, N, stride_om, split_k,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -240,6 +244,7 @@ def launch(
             ROWS=_rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=block_k, USE_WS=use_ws,
             HAS_BIAS=bias is not None, EVEN_K=even_k, VEC=min(16 // x.element_size(), block_k),
             GATED=gated, num_warps=config.num_warps, num_stages=config.num_stages,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     else:
         _gemv_dot_kernel[grid](
@@ -248,12 +253,14 @@ def launch(
             BLOCK_K=block_k, USE_WS=use_ws, HAS_BIAS=bias is not None, EVEN_K=even_k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     if use_ws:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             workspace, bias if bias is not None else out, out, m, n, out.stride(0), split,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            launch_pdl=launch_pdl(out),
         )  # fmt: skip
     return out
 

@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -11,6 +13,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_s, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -50,6 +53,7 @@ def _launch(
         out.stride(0), summed.stride(0) if summed is not None else 0, eps,
         HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None,
         num_warps=num_warps,
+        launch_pdl=launch_pdl(x),
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton.kv_cache import scale_args, store_kv
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -43,6 +44,7 @@ def _rotary_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     WRITE_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     half_dims = tl.arange(0, HALF_PAD)[None, :]
@@ -113,6 +115,7 @@ def _launch(
         HALF=half, HALF_PAD=half_pad, WRITE_CACHE=cache is not None, BLOCK_SIZE=block_size,
         KV_FP8=kv_fp8,
         num_warps=4 if q_heads_pad * half_pad >= 1024 else 1,
+        launch_pdl=launch_pdl(q),
     )  # fmt: skip
 
 

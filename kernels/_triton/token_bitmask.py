@@ -4,12 +4,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
+
 
 @triton.jit
 def _apply_token_bitmask_kernel(
     logits_ptr, bitmask_ptr, rows_ptr, stride_logits, stride_bitmask, vocab, num_words,
     HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     index = tl.program_id(0).to(tl.int64)
     if HAS_ROWS:
         row = tl.load(rows_ptr + index).to(tl.int64)
@@ -38,5 +41,6 @@ def apply_token_bitmask(
             logits, bitmask, rows if rows is not None else bitmask,
             logits.stride(0), bitmask.stride(0), vocab, num_words,
             HAS_ROWS=rows is not None, BLOCK=block, num_warps=4,
+            launch_pdl=launch_pdl(logits),
         )  # fmt: skip
     return logits
