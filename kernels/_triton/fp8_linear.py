@@ -33,7 +33,7 @@ import triton.language as tl
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
 from kernels._triton.fp8_quant import quantize_per_token
 from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
-from kernels._triton.pdl import PREFETCH_TILES, launch_pdl, prefetch_l2, wait_for_inputs
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
@@ -117,14 +117,12 @@ def _fp8_gemv_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N are clamped (loads stay unmasked along N; stores are masked).
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    k_start = pid_k * k_per_split
-    prefetch_l2(w_rows, k_start, tl.minimum(k_start + k_per_split, K), PREFETCH_TILES * BLOCK_K)
-    wait_for_inputs()
     w_scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -154,6 +152,7 @@ def _fp8_gemv_kernel(
     acc5 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k + offs_k
         if EVEN_K:
@@ -212,15 +211,13 @@ def _fp8_gemv_dot_kernel(
     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PREQUANT: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    k_start = pid_k * k_per_split
-    prefetch_l2(w_rows, k_start, tl.minimum(k_start + k_per_split, K), PREFETCH_TILES * BLOCK_K)
-    wait_for_inputs()
     # Padding rows (M..BLOCK_M) load zeros: they quantize to zero and are not stored.
     x_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
     m_ok = (offs_m < M)[None, :]
@@ -234,6 +231,7 @@ def _fp8_gemv_dot_kernel(
             amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
         x_scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k + offs_k
         if EVEN_K:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
-from kernels._triton.pdl import PREFETCH_TILES, launch_pdl, prefetch_l2, wait_for_inputs
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -76,6 +76,7 @@ def _gemv_fma_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_WS: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,9 +91,6 @@ def _gemv_fma_kernel(
         # Rows past N are clamped (loads stay unmasked along N; stores are masked).
         w_row = tl.minimum(offs_n, N - 1)
     w_rows = w_ptr + w_row.to(tl.int64)[:, None] * stride_wn
-    k_start = pid_k * k_per_split
-    prefetch_l2(w_rows, k_start, tl.minimum(k_start + k_per_split, K), PREFETCH_TILES * BLOCK_K)
-    wait_for_inputs()
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([TILE_N], dtype=tl.int32)
     acc0 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
@@ -103,6 +101,7 @@ def _gemv_fma_kernel(
     acc5 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc6 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
     acc7 = tl.zeros([TILE_N, BLOCK_K // VEC], dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k + offs_k
         if EVEN_K:
@@ -153,17 +152,16 @@ def _gemv_dot_kernel(
     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    k_start = pid_k * k_per_split
-    prefetch_l2(w_rows, k_start, tl.minimum(k_start + k_per_split, K), PREFETCH_TILES * BLOCK_K)
-    wait_for_inputs()
     x_cols = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k + offs_k
         if EVEN_K:

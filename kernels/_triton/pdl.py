@@ -48,28 +48,3 @@ def launch_pdl(tensor: torch.Tensor) -> bool:
         return False
     index = tensor.device.index
     return _enabled_on(torch.cuda.current_device() if index is None else index)
-
-
-# Off only to measure what the prefetch is worth (PAGODA_DISABLE_WEIGHT_PREFETCH=1).
-PREFETCH = tl.constexpr(os.environ.get("PAGODA_DISABLE_WEIGHT_PREFETCH", "") in ("", "0"))
-# How much of its K slice a skinny-GEMM program prefetches, in BLOCK_K tiles: enough to
-# cover the wait for the kernel before it, bounded so the programs resident at once do not
-# prefetch more than L2 holds.
-PREFETCH_TILES = tl.constexpr(2)
-
-
-@triton.jit
-def prefetch_l2(row_ptrs, k_start, k_end, SPAN: tl.constexpr):
-    """Ask L2 for columns ``[k_start, k_start + SPAN)`` (clamped below ``k_end``) of each
-    row of ``row_ptrs`` ([R, 1] pointers to the rows' first elements), one request per
-    128-byte line. For weights only, which no kernel writes: a skinny GEMM calls it before
-    ``wait_for_inputs()``, so its weight stream starts while the kernel before it (the
-    norm, attention) still runs."""
-    if cuda_capability_geq(9, 0):
-        if PREFETCH:
-            LINE: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth
-            cols = tl.minimum(k_start + tl.arange(0, SPAN // LINE) * LINE, k_end - 1)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [row_ptrs + cols[None, :]],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )
