@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     args = parser.parse_args(argv)
 
     import torch
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folder, extra = resolve_shape_model(args.model)
     llm = LLM(folder, max_model_len=args.input_len + args.output_len,
-              max_num_seqs=max(args.batch_size, 8), **extra)
+              max_num_seqs=max(args.batch_size, 8), quantization=args.quantization, **extra)
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len,
                             detokenize=False)
