@@ -6,9 +6,15 @@ device (or when ``TRITON_INTERPRET=1`` asks for the interpreter) and the referen
 otherwise. Tests compare every kernel against its reference.
 """
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import (
+    silu_and_mul,
+    silu_and_mul_fp8,
+    silu_and_mul_fp8_ref,
+    silu_and_mul_ref,
+)
 from kernels.attention import paged_attention, paged_attention_ref
-from kernels.fp8_linear import fp8_linear, fp8_linear_ref
+from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
+from kernels.fp8_quant import Fp8Activations
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from kernels.linear import (
     linear,
@@ -16,7 +22,16 @@ from kernels.linear import (
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
 )
-from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_fp8,
+    fused_add_rms_norm_fp8_ref,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_fp8,
+    rms_norm_fp8_ref,
+    rms_norm_ref,
+)
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from kernels.rotary_kv_cache import (
     rotary_embedding_with_kv_cache,
@@ -25,11 +40,14 @@ from kernels.rotary_kv_cache import (
 from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 __all__ = [
+    "Fp8Activations",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
     "fp8_linear",
     "fp8_linear_ref",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8",
+    "fused_add_rms_norm_fp8_ref",
     "fused_add_rms_norm_ref",
     "linear",
     "linear_ref",
@@ -38,13 +56,18 @@ __all__ = [
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",
+    "rms_norm_fp8",
+    "rms_norm_fp8_ref",
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
     "rotary_embedding_with_kv_cache",
     "rotary_embedding_with_kv_cache_ref",
     "silu_and_mul",
+    "silu_and_mul_fp8",
+    "silu_and_mul_fp8_ref",
     "silu_and_mul_ref",
     "write_kv_cache",
+    "wants_fp8_input",
     "write_kv_cache_ref",
 ]

@@ -8,6 +8,8 @@ activations; the Triton kernel reads each row once (twice past ``ONE_PASS_MAX``
 elements) and writes one byte per element and one float32 scale.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._backend import kernel_for
@@ -16,6 +18,25 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # vLLM's floor on a dynamic activation scale: an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Activations:
+    """Activations already quantized by the scheme, as an op that produces them can write
+    them (``kernels.rms_norm_fp8``, ``fused_add_rms_norm_fp8``, ``silu_and_mul_fp8``) for
+    ``kernels.fp8_linear`` to take instead of x: ``data`` float8_e4m3fn [..., K] (unit
+    stride along K), ``scale`` float32 [..., 1] (one a token), and ``dtype``, the dtype of
+    the values they were quantized from (the linear's output dtype)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_as_activations(x: torch.Tensor) -> Fp8Activations:
+    """x [..., K] quantized per token (the reference), as ``Fp8Activations``."""
+    rows, scale = quantize_per_token_ref(x.reshape(-1, x.shape[-1]))
+    return Fp8Activations(rows.view(x.shape), scale.view(*x.shape[:-1], 1), x.dtype)
 
 
 def quantize_per_token_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

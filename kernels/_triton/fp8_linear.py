@@ -34,6 +34,7 @@ from kernels._gemv_table import FMA_MAX_M, GemvConfig
 from kernels._triton.fp8_quant import quantize_per_token
 from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
 from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from kernels.fp8_quant import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
@@ -267,17 +268,22 @@ def launch(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GemvConfig,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[M, N] = fp8 scheme of x[M, K] @ weight[N, K].T (+ bias); ``config.kind`` one of
-    ``KINDS``. ``x`` and ``weight`` need a unit stride along K, ``out`` along N."""
+    ``KINDS``. ``x`` and ``weight`` need a unit stride along K, ``out`` along N. With
+    ``x_scale`` [M, 1], x is already quantized (float8_e4m3fn): every kind then runs as
+    its pre-quantized twin (``fma`` as ``fmaq``, ``dot`` as ``dotq``, same tiling)."""
     m, k = x.shape
     n = weight.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0 or config.kind not in KINDS or m > FMA_MAX_M:
         raise ValueError(f"unsupported FP8 GEMV case: M={m}, K={k}, {config.short()}")
-    prequant = config.kind.endswith("q")
-    if prequant:
+    prequant = x_scale is not None or config.kind.endswith("q")
+    if x_scale is not None:
+        x_in = x
+    elif prequant:
         x_in, x_scale = quantize_per_token(x)
     else:
         x_in, x_scale = x, out  # the scale argument is unused
@@ -321,17 +327,22 @@ def launch(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``kernels.fp8_linear`` for x [..., K]; the caller checked eligibility."""
-    rows = _rows(x)
+    """``kernels.fp8_linear`` for x [..., K] (or pre-quantized); the caller checked
+    eligibility."""
+    if isinstance(x, Fp8Activations):
+        source, x_scale = x.data, x.scale.reshape(-1, 1)
+    else:
+        source, x_scale = x, None
+    rows = _rows(source)
     n = weight.shape[0]
     if out is None:
-        out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    launch(rows, weight, weight_scale, bias, out.view(rows.shape[0], n), config)
-    return out.view(*x.shape[:-1], n)
+        out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=rows.device)
+    launch(rows, weight, weight_scale, bias, out.view(rows.shape[0], n), config, x_scale)
+    return out.view(*source.shape[:-1], n)

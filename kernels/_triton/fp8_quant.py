@@ -1,6 +1,8 @@
 """Triton kernel of ``kernels.fp8_quant``: one program per token row; the row's amax,
 then ``row / scale`` clamped and rounded to float8_e4m3fn (round to nearest even, as
-torch's cast)."""
+torch's cast). ``fp8_scale`` and ``to_fp8`` are the scheme's two steps, shared with the
+kernels that quantize the rows they produce (RMSNorm, SiLU-and-mul), so every producer
+rounds exactly as this kernel does."""
 
 import torch
 import triton
@@ -16,6 +18,18 @@ ONE_PASS_MAX = 8192
 
 
 @triton.jit
+def fp8_scale(amax):
+    # The scheme's per-token scale from the row's largest |value| (float32).
+    return tl.maximum(amax / FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def to_fp8(values, scale):
+    # float32 values / scale, clamped to +-448, rounded to float8_e4m3fn.
+    return tl.minimum(tl.maximum(values / scale, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -27,33 +41,37 @@ def _quantize_kernel(
     q_row = q_ptr + row * stride_qm
     if ONE_PASS:
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < K)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + offs, to_fp8(x, scale), mask=offs < K)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             ks = k + offs
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        scale = fp8_scale(tl.max(amax, axis=0))
         for k in range(0, K, BLOCK_K):
             ks = k + offs
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            tl.store(q_row + ks, q.to(tl.float8e4nv), mask=ks < K)
+            tl.store(q_row + ks, to_fp8(x, scale), mask=ks < K)
     tl.store(s_ptr + row, scale)
+
+
+def one_pass_block(width: int) -> tuple[int, int, bool]:
+    """(block, warps, one pass) for a program that quantizes a row of ``width``: the whole
+    row in registers up to ONE_PASS_MAX elements, else that many a step."""
+    block = min(triton.next_power_of_2(width), ONE_PASS_MAX)
+    return block, 1 if block <= 256 else 4 if block <= 2048 else 8, width <= block
 
 
 def quantize_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = rows.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=rows.device)
-    block_k = min(triton.next_power_of_2(k), ONE_PASS_MAX)
-    num_warps = 1 if block_k <= 256 else 4 if block_k <= 2048 else 8
+    block_k, num_warps, one_pass = one_pass_block(k)
     _quantize_kernel[(m,)](
         rows, q, scale, k, rows.stride(0), q.stride(0),
-        BLOCK_K=block_k, ONE_PASS=k <= block_k, num_warps=num_warps,
+        BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=num_warps,
         launch_pdl=launch_pdl(rows),
     )  # fmt: skip
     return q, scale
