@@ -14,7 +14,11 @@ global shape; the local sizes follow from (config, rank, world size).
 
 FP8 (``quantization="fp8"``): the four projections of each layer are float8_e4m3fn with a
 float32 scale per output row (``<name>_scale``) and run through ``kernels.fp8_linear``;
-``inference/quantization/fp8.py`` fills them from whatever the checkpoint holds.
+``inference/quantization/fp8.py`` fills them from whatever the checkpoint holds. Where a
+step's projection would quantize its input in a launch of its own
+(``kernels.wants_fp8_input``), the op before it writes that input quantized instead: the
+input norm for qkv, the post-attention norm for gate_up, SiLU-and-mul for down (the bf16
+residual stream is the same either way).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ _SKINNY_MAX_TOKENS = SKINNY_MAX_M
 
 
 def _linear(
-    x: torch.Tensor,
+    x: torch.Tensor | kernels.Fp8Activations,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -108,40 +112,53 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, dtype = hidden.shape[0], hidden.dtype
+        fp8_qkv, fp8_gate_up, fp8_down = self._fp8_inputs(num_tokens, dtype)
         if residual is None:
             residual = hidden
-            hidden = kernels.rms_norm(hidden, self.input_norm, self.eps)
+            norm = kernels.rms_norm_fp8 if fp8_qkv else kernels.rms_norm
+            normed = norm(hidden, self.input_norm, self.eps)
         else:
-            hidden, residual = kernels.fused_add_rms_norm(
-                hidden, residual, self.input_norm, self.eps
-            )
-        hidden = self._attention(positions, hidden, kv_cache, cos_sin_cache, meta)
-        hidden, residual = kernels.fused_add_rms_norm(
-            hidden, residual, self.post_attention_norm, self.eps
-        )
+            add_norm = kernels.fused_add_rms_norm_fp8 if fp8_qkv else kernels.fused_add_rms_norm
+            normed, residual = add_norm(hidden, residual, self.input_norm, self.eps)
+        hidden = self._attention(positions, normed, kv_cache, cos_sin_cache, meta)
+        add_norm = kernels.fused_add_rms_norm_fp8 if fp8_gate_up else kernels.fused_add_rms_norm
+        normed, residual = add_norm(hidden, residual, self.post_attention_norm, self.eps)
         if self.gate_up_proj_scale is not None:
-            gated = kernels.silu_and_mul(
-                kernels.fp8_linear(hidden, self.gate_up_proj, self.gate_up_proj_scale)
-            )
-        elif hidden.shape[0] <= _SKINNY_MAX_TOKENS:
-            gated = kernels.linear_silu_and_mul(hidden, self.gate_up_proj)
+            gate_up = kernels.fp8_linear(normed, self.gate_up_proj, self.gate_up_proj_scale)
+            gated = (kernels.silu_and_mul_fp8 if fp8_down else kernels.silu_and_mul)(gate_up)
+        elif num_tokens <= _SKINNY_MAX_TOKENS:
+            gated = kernels.linear_silu_and_mul(normed, self.gate_up_proj)
         else:
-            gated = kernels.silu_and_mul(nn.functional.linear(hidden, self.gate_up_proj))
+            gated = kernels.silu_and_mul(nn.functional.linear(normed, self.gate_up_proj))
         # Row-parallel: written straight into the all-reduce's staging buffer where it has one.
-        staging = self.parallel.all_reduce_input(gated.shape[0], self.down_proj.shape[0],
-                                                 gated.dtype)  # fmt: skip
+        staging = self.parallel.all_reduce_input(num_tokens, self.down_proj.shape[0], dtype)
         hidden = _linear(gated, self.down_proj, out=staging, scale=self.down_proj_scale)
         return self.parallel.all_reduce(hidden), residual
+
+    def _fp8_inputs(self, num_tokens: int, dtype: torch.dtype) -> tuple[bool, bool, bool]:
+        """Whether the FP8 qkv, gate_up and down projections of this step want their
+        inputs quantized by the norm / SiLU-and-mul that writes them (one launch fewer each,
+        where the projection would otherwise quantize in a launch of its own): decided by
+        the step's shape, so a CUDA graph replays what it captured. Never in full precision,
+        nor where the projection quantizes inside its own kernel (batch 1, fma kind)."""
+        if self.qkv_proj_scale is None:
+            return False, False, False
+        return (
+            kernels.wants_fp8_input(num_tokens, self.qkv_proj, dtype, self.qkv_bias),
+            kernels.wants_fp8_input(num_tokens, self.gate_up_proj, dtype),
+            kernels.wants_fp8_input(num_tokens, self.down_proj, dtype),
+        )
 
     def _attention(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | kernels.Fp8Activations,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        num_tokens = positions.shape[0]
         qkv = _linear(hidden, self.qkv_proj, self.qkv_bias, scale=self.qkv_proj_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
