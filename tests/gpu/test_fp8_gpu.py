@@ -128,6 +128,89 @@ def test_fp8_fp32_gpu_equals_cpu(tiny) -> None:
     assert agree >= len(prompts) - 1, (got, expected)
 
 
+@pytest.mark.parametrize(("hidden", "intermediate"), [(1536, 8960), (3584, 18944)])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 512])
+def test_fused_fp8_producers_equal_quantizing_their_output(hidden, intermediate, m) -> None:
+    """The compiled RMSNorm / residual-add RMSNorm / SiLU-and-mul FP8 variants write
+    exactly what ``quantize_per_token`` makes of the unfused op's output (same float32
+    math, same rounding to bf16 first), the residual sum included; and they replay in a
+    CUDA graph."""
+    import kernels
+    from kernels.fp8_quant import quantize_per_token
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    gate_up = torch.randn(m, 2 * intermediate, device="cuda", generator=gen).bfloat16()
+
+    def same(fused, unfused) -> None:
+        data, scale = quantize_per_token(unfused.reshape(-1, unfused.shape[-1]))
+        assert fused.dtype == torch.bfloat16 and torch.equal(fused.scale, scale)
+        assert torch.equal(fused.data.view(torch.uint8), data.view(torch.uint8))
+
+    same(kernels.rms_norm_fp8(x, weight, 1e-6), kernels.rms_norm(x, weight, 1e-6))
+    normed, summed = kernels.fused_add_rms_norm(x, residual.clone(), weight, 1e-6)
+    fused, fused_sum = kernels.fused_add_rms_norm_fp8(x, residual.clone(), weight, 1e-6)
+    assert torch.equal(fused_sum, summed)
+    same(fused, normed)
+    same(kernels.silu_and_mul_fp8(gate_up), kernels.silu_and_mul(gate_up))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.silu_and_mul_fp8(gate_up)
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    torch.cuda.synchronize()
+    same(captured, kernels.silu_and_mul(gate_up))
+
+
+def test_fp8_input_rule_on_the_h200_shapes() -> None:
+    """Which projections take their input from a fused producer (bf16, the shipped table):
+    not where the GEMV quantizes in its kernel (fma at batch 1 on most shapes), yes for
+    the fmaq/dotq kinds and cuBLASLt (M > 8)."""
+    from kernels import wants_fp8_input
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+
+    bf16 = torch.bfloat16
+    qkv_7b, qkv_bias = weight(4608, 3584), torch.empty(4608, device="cuda", dtype=bf16)
+    assert not wants_fp8_input(1, qkv_7b, bf16, qkv_bias)  # fma
+    assert all(wants_fp8_input(m, qkv_7b, bf16, qkv_bias) for m in (2, 4, 8, 9, 512))
+    assert wants_fp8_input(1, weight(3584, 18944), bf16)  # 7B down: fmaq at batch 1
+    assert wants_fp8_input(1, weight(1536, 8960), bf16)  # 1.5B down: fmaq
+    assert not wants_fp8_input(1, weight(17920, 1536), bf16)  # 1.5B gate_up: fma
+    assert not wants_fp8_input(0, qkv_7b, bf16)
+
+
+def test_fp8_engine_fused_equals_unfused(tiny, monkeypatch) -> None:
+    """The bf16 FP8 engine with the fused producers (prefills: cuBLASLt's input from the
+    norms and SiLU-and-mul) against the same engine with them off: the same greedy
+    tokens (the fused ops write the same bytes)."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (3, 17, 64, 90)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = dict(device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256,
+                  num_kv_blocks=256)  # fmt: skip
+    calls: list[str] = []
+    for name in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=original: (
+            calls.append(_n), _f(*a))[1])  # fmt: skip
+    with LLM(str(tiny), **engine) as llm:
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls, "the fused producers should run for the prefills"
+    calls.clear()
+    monkeypatch.setattr(kernels, "wants_fp8_input", lambda *args, **kwargs: False)
+    with LLM(str(tiny), **engine) as llm:
+        unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                use_tqdm=False)]  # fmt: skip
+    assert not calls
+    assert fused == unfused
+
+
 # Per model: max mean KL, min argmax agreement, min greedy common-prefix fraction, max
 # relative perplexity increase. From CPU runs of fp8_check.quality (this generator)
 # (float32 reference and activations; the GPU's bf16 adds its own noise, ~0.2 % perplexity
