@@ -13,6 +13,7 @@ from kernels.activation import (
     silu_and_mul_ref,
 )
 from kernels.attention import paged_attention, paged_attention_ref
+from kernels.fp8_linear import MAX_M as FP8_SKINNY_MAX_M
 from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
 from kernels.fp8_quant import Fp8Activations
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
@@ -40,6 +41,7 @@ from kernels.rotary_kv_cache import (
 from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 __all__ = [
+    "FP8_SKINNY_MAX_M",
     "Fp8Activations",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
