@@ -99,6 +99,62 @@ def test_a_bigger_batch_counts_the_engines_its_rollout_takes_away() -> None:
         assert all(run.step(draining).action == "hold" for _ in range(6))
 
 
+# Calm: nothing waiting, TTFT at 10 % of the target, 25 sequences an engine in 64 slots and
+# the cache 6 % full: 128 sequences an engine would fill 31 % of it.
+CALM_ROOMY = window(requests_running=50.0, kv_cache_usage=0.06, ttft_p95_s=0.1)
+
+
+def test_a_calm_window_raises_max_num_seqs_ahead_of_the_load_when_the_cache_holds_more() -> None:
+    # With maxSurge 1 and maxUnavailable 0 the rollout takes no engine away: the bigger
+    # batch is made now, while nothing waits, not in the peak that would fill 64 slots
+    # (every engine restarting then costs the minutes of its rollout and its judgment).
+    run = Run(settings(replicas=2, seqs=64), limits(rollout_unavailable=0))
+    assert run.step(CALM_ROOMY).action == "hold"  # one window is not a trend
+    decision = run.step(CALM_ROOMY)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+    assert "128 sequences an engine fill 31% of it" in decision.reason
+    # Not when the cache would not hold a quarter more sequences (25 an engine fill 30 %)...
+    crowded = dataclasses.replace(CALM_ROOMY, kv_cache_usage=0.3)
+    run = Run(settings(replicas=2, seqs=64), limits(rollout_unavailable=0))
+    assert all(run.step(crowded).action == "hold" for _ in range(10))
+    # ...nor when the ITL is not well within its target: a bigger batch slows every token.
+    run = Run(settings(replicas=2, seqs=64), limits(rollout_unavailable=0, itl_target_s=0.015))
+    assert all(run.step(CALM_ROOMY).action == "hold" for _ in range(10))
+
+
+def test_a_calm_raise_that_takes_an_engine_away_waits_for_a_measured_rate() -> None:
+    # With maxUnavailable 1 one engine serves the 20 req/s alone while the other restarts:
+    # slots and cache say nothing of compute, so without a saturated rate the batch stays...
+    run = Run(settings(replicas=2, seqs=64), limits())
+    assert all(run.step(CALM_ROOMY).action == "hold" for _ in range(10))
+    # ...and so it does when one engine would run over 85 % of the rate measured...
+    run = measured(Run(settings(replicas=2, seqs=64), limits()), 20.0)
+    assert all(run.step(CALM_ROOMY).action == "hold" for _ in range(10))
+    # ...but with 30 req/s an engine measured, one carries the 20 arriving.
+    run = measured(Run(settings(replicas=2, seqs=64), limits()), 30.0)
+    decision = run.until_change(CALM_ROOMY)
+    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+
+
+def test_a_cache_filling_inside_the_cooldown_adds_engines_once_the_last_change_is_judged() -> None:
+    # One engine added for a TTFT close to its target, rolled out and kept...
+    run = Run(settings(replicas=2), limits())
+    assert run.until_change(window(ttft_p95_s=0.85)).new == 3
+    changed_at = run.now
+    assert run.step(window(pods=3)).action == "hold"  # the first full window after it
+    kept = run.step(window(pods=3))
+    assert kept.verdict is not None and kept.verdict.startswith("kept replicas 2 -> 3")
+    # ...then, inside its cooldown, the cache fills fast (30 % -> 88 %). Engines are added
+    # now, not when the cooldown ends: they add capacity, nothing can flap, and the rule's
+    # own hysteresis is all the steadiness it needs (a calm window's engine-knob change
+    # made ahead of the load must not hold back the engines that load needs).
+    decision = run.step(window(pods=3, kv_cache_usage=0.88, requests_running=600.0))
+    assert (decision.action, decision.knob, decision.old, decision.new) == (
+        "change", REPLICAS, 3, 4,
+    )  # fmt: skip
+    assert run.now - changed_at < COOLDOWN_S
+
+
 def test_queue_without_kv_headroom_adds_replicas_instead() -> None:
     run = Run(settings(replicas=2, seqs=64), limits())
     decision = run.until_change(QUEUED_WITH_FULL_KV)

@@ -9,7 +9,12 @@ What keeps it steady:
   thresholds that push a knob up and down are far apart, so noise around one cannot trigger
   the other;
 - a cooldown after every change, which also waits for the rollout to finish and for one full
-  window of metrics after it, so a change is never judged on a replica still loading;
+  window of metrics after it, so a change is never judged on a replica still loading; once
+  the change is judged, changes that add capacity may act inside it (nothing can flap
+  then), the rest wait for its end;
+- engine knobs that restart every engine move ahead of the load where they can: a bigger
+  batch is made in a calm window when the KV cache holds far more sequences than the
+  slots allow, so that it is there before a peak fills the slots;
 - step limits (maxNumSeqs at most doubles or halves, gpuMemoryUtilization moves 0.02,
   replicas at most double going up and drop by one going down);
 - one knob at a time, never outside the user's bounds, never a knob the user pinned;
@@ -51,6 +56,7 @@ def empty_state() -> dict[str, Any]:
             "preempting": 0,
             "kvBound": 0,
             "kvBusy": 0,
+            "calm": 0,
             "nearTarget": 0,
             "busy": 0,
             "queued": 0,
@@ -118,7 +124,7 @@ def decide(
     if mode == "Auto" and state["lastChangeTime"] is not None:
         remaining = limits.cooldown_s - (now - state["lastChangeTime"])
         urgent_only = remaining > 0
-        if urgent_only and not _escalate(snapshot, state, limits, config):
+        if urgent_only and not _escalate(state):
             return Decision("hold", f"cooldown: {remaining:.0f}s left", verdict=verdict), state
     proposal, blocked = _first_proposal(
         snapshot, settings, limits, state, now, kv_next, config, urgent_only
@@ -146,20 +152,16 @@ def decide(
 # ----- rules ----------------------------------------------------------------------------
 
 
-def _escalate(
-    snapshot: Snapshot, state: dict[str, Any], limits: Limits, config: PolicyConfig
-) -> bool:
+def _escalate(state: dict[str, Any]) -> bool:
     """Whether this window may act before the cooldown ends: the last change has been
-    judged and kept, and the engines are still in a severe overload (clients giving up,
-    TTFT far over target) or a preemption storm. The cooldown is there to judge a change
-    and to keep the knobs steady under noise; neither is served by leaving users without
-    service for the rest of it. Only changes that add capacity are allowed then."""
-    if state["pending"] is not None:
-        return False
-    storm = snapshot.preemptions_per_s / max(snapshot.pods, 1) >= (
-        config.storm_preemptions_per_pod_s
-    )
-    return storm or (state["streaks"]["overload"] >= 1 and _severe(snapshot, limits, config))
+    judged. The cooldown is there to judge a change and to keep the knobs steady under
+    noise; the first is done once the change is judged, and the second needs no more than
+    the rules' own hysteresis for a change that adds capacity (none takes it away inside
+    the cooldown, so nothing can flap). Holding those back would leave users without
+    service for the rest of it: the demand a calm window's engine-knob change was made
+    ahead of, a cache filling, a ramp outrunning the engines. Only changes that add
+    capacity are allowed then."""
+    return state["pending"] is None
 
 
 def _urgent(proposal: Proposal, settings: dict[str, float]) -> bool:
@@ -292,6 +294,14 @@ def _updated_streaks(
     kv_busy = not preempting and (
         snapshot.kv_cache_usage >= config.kv_busy or _filling_fast(snapshot, kv_next, config)
     )
+    # Nothing waiting, nothing preempted, TTFT well within target: a window in which engines
+    # can restart one by one for a better balance of batch and cache (see _balance).
+    calm = (
+        not queued
+        and not preempting
+        and snapshot.requests_running > 0
+        and (ttft is None or ttft <= config.idle_ttft_fraction * limits.ttft_target_s)
+    )
     near_target = ttft is not None and ttft > config.near_ttft_fraction * limits.ttft_target_s
     conditions = {
         "overload": overload,
@@ -299,6 +309,7 @@ def _updated_streaks(
         "preempting": preempting,
         "kvBound": kv_bound,
         "kvBusy": kv_busy,
+        "calm": calm,
         "nearTarget": near_target,
         "busy": busy,
         "queued": queued,
@@ -417,11 +428,74 @@ def _candidates(
             f"TTFT p95 {ttft:.3g}s at {ttft / limits.ttft_target_s:.0%} of the "
             f"{limits.ttft_target_s:g}s target for {streaks['nearTarget']} windows",
         ))  # fmt: skip
+    if streaks["calm"] >= config.windows_up:
+        candidates += _balance(snapshot, seqs, limits, capacity, config)
     if streaks["idle"] >= config.windows_down and snapshot.pods > 1:
         scale_down = _scale_down(snapshot, replicas, capacity, config)
         if scale_down is not None:
             candidates.append(scale_down)
     return candidates
+
+
+def _balance(
+    snapshot: Snapshot, seqs: float, limits: Limits, capacity: float | None, config: PolicyConfig
+) -> list[Proposal]:
+    """In a calm window, a bigger batch when the KV cache holds ``min_max_num_seqs_raise``
+    times ``maxNumSeqs`` or more at ``kv_headroom`` (at the KV each running sequence holds
+    now): the slots, not the cache, will be the limit when the load rises, and a bigger
+    batch serves more on the same GPU then (a sequence adds ~11.5 us to a decode step of
+    ~4 ms). Made ahead of the demand because every engine restarts to take it: in the
+    overload that would show the slots full, the rollout costs serving capacity (with
+    maxUnavailable 1) or holds every other change until it has rolled out and been judged.
+    Only while the engines left serving through the rollout carry the load with room, and
+    the ITL is well within its target."""
+    pods = max(snapshot.pods, 1)
+    running = snapshot.requests_running / pods
+    high = limits.bounds.get(MAX_NUM_SEQS, (seqs, seqs))[1]
+    if running <= 0 or snapshot.kv_cache_usage <= 0 or seqs >= high:
+        return []
+    itl_ok = (
+        limits.itl_target_s is None
+        or snapshot.itl_p95_s is None
+        or snapshot.itl_p95_s < 0.5 * limits.itl_target_s
+    )
+    if not itl_ok or not _rollout_carried_calm(snapshot, seqs, limits, capacity, config):
+        return []
+    new = _batch_that_fits(snapshot, seqs, config)
+    if new < config.min_max_num_seqs_raise * seqs:
+        return []
+    fill = snapshot.kv_cache_usage * new / running
+    return [Proposal(
+        MAX_NUM_SEQS, new,
+        f"calm for {config.windows_up}+ windows with KV cache at "
+        f"{snapshot.kv_cache_usage:.0%}: {new} sequences an engine fill {fill:.0%} of it, "
+        f"{fmt(seqs)} slots would be the limit when the load rises",
+    )]  # fmt: skip
+
+
+def _rollout_carried_calm(
+    snapshot: Snapshot, seqs: float, limits: Limits, capacity: float | None, config: PolicyConfig
+) -> bool:
+    """Whether the engines left serving while a knob change rolls out (``maxUnavailable``
+    fewer) hold what all of them hold now with room: their slots under ``busy_fraction``,
+    their cache under ``kv_headroom``, and the demand within ``scale_up_utilization`` of
+    the saturated rate measured. A rollout that surges with maxUnavailable 0 loses none."""
+    pods = max(snapshot.pods, 1)
+    down = pods if limits.rollout_unavailable is None else min(limits.rollout_unavailable, pods)
+    if down == 0:
+        return True
+    left = pods - down
+    if left <= 0:
+        return False
+    spread = pods / left
+    slots_ok = snapshot.requests_running / pods * spread <= config.busy_fraction * seqs
+    cache_ok = snapshot.kv_cache_usage * spread <= config.kv_headroom
+    # Slots and cache say nothing of compute (an engine's rate saturates long before its
+    # slots fill): without a saturated rate measured, one engine fewer is a guess.
+    rate_ok = capacity is not None and demand_per_s(snapshot) <= (
+        left * capacity * config.scale_up_utilization
+    )
+    return slots_ok and cache_ok and rate_ok
 
 
 def _fitted_to_cache(snapshot: Snapshot, seqs: float, config: PolicyConfig) -> int:
