@@ -33,7 +33,7 @@ from pagoda_operator.tuning.prometheus import (
 )
 from pagoda_operator.tuning.record import METRICS_AVAILABLE
 
-from .policy_cases import QUEUED_WITH_FREE_KV
+from .policy_cases import QUEUED_WITH_FREE_KV, window
 
 
 def spec(**tuning: Any) -> dict[str, Any]:
@@ -365,6 +365,52 @@ def test_a_change_whose_rollout_completes_is_judged_on_the_window_after_it_and_k
     assert "verdict" not in api.llmd["status"]["tuning"]["lastDecision"]  # judged once
     assert [d["outcome"] for d in later["decisions"]] == ["kept: " + verdict]
     assert [e for e in events if e[1] == "TuningKept"] == []
+
+
+def test_a_covered_engine_knob_change_lends_an_engine_for_its_rollout_and_gives_it_back() -> None:
+    """The spec's rollout takes an engine down at a time (maxUnavailable 1): the runner
+    first renders one engine more, then the bigger batch once it is Ready (the Deployment
+    at 3 keeps 2 ready throughout), then 2 engines again once the change is kept; status
+    and Events say each step and why."""
+    calm = window(requests_running=50.0, kv_cache_usage=0.06, ttft_p95_s=0.1)
+
+    def rolled_out(api: FakeApi, replicas: int, seqs: int) -> tuple[dict, list]:
+        counts = {"replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas}
+        live = [{"max_num_seqs": str(seqs), "gpu_memory_utilization": "0.9"}] * replicas
+        return {**copy.deepcopy(api.llmd["status"]), **counts}, live
+
+    first, api, _, _ = run_window("Auto", Observation(calm), now=0)
+    status, live = rolled_out(api, 2, 64)
+    lent, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=60)
+    assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(3, 64)]
+    assert lent["state"]["cover"]["phase"] == "adding"
+    assert events[0][1] == "TuningApplied" and events[0][2].startswith(
+        "replicas 2 -> 3: 1 engines added to cover the rollout of maxNumSeqs 64 -> 128"
+    )
+    assert api.llmd["spec"]["replicas"] == 2  # the user's, untouched
+    # The engine is Ready: the bigger batch, rendered on 3 engines.
+    status, live = rolled_out(api, 3, 64)
+    _, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=120)
+    assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(3, 128)]
+    assert events == [
+        ("Normal", "TuningKept", "1 engines added to cover the rollout of maxNumSeqs 64 -> 128 "
+         "Ready"),
+        ("Normal", "TuningApplied", events[1][2]),
+    ]  # fmt: skip
+    assert events[1][2].startswith("maxNumSeqs 64 -> 128: the 1 engines added to cover")
+    # Rolled out, one full window, judged and kept: the engine goes back.
+    status, live = rolled_out(api, 3, 128)
+    _, api, _, _ = run_window("Auto", Observation(calm, live=live), status, now=180)
+    status, live = rolled_out(api, 3, 128)
+    judged, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=240)
+    assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(2, 128)]
+    assert [e[1] for e in events] == ["TuningKept", "TuningApplied"]
+    assert "giving back the 1 engines added to cover" in events[1][2]
+    assert api.llmd["status"]["tuning"]["overrides"] == {
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    }
+    assert judged["state"].get("cover") is None
+    assert [d["outcome"].split(":")[0] for d in judged["decisions"]] == ["kept", "kept", "watching"]
 
 
 def test_each_window_replaces_what_the_last_one_wrote() -> None:

@@ -92,8 +92,13 @@ def _made_worse(
     engine slower (latency that is still high is a backlog draining), and lowering an
     engine knob was a safety move: neither is reverted. Raising an engine knob can cause
     OOM kills, preemptions or a throughput loss; removing a replica can break the SLO.
+
+    Rates are compared per engine: a change rolled out on engines added to cover it (see
+    ``policy._cover_engines``) is judged against the window before they came, and the
+    added engines must not pass for what the new value serves.
     """
     baseline = pending["baseline"]
+    per_engine = max(snapshot.pods, 1) / max(baseline.get("pods") or snapshot.pods, 1)
     raised = pending["to"] > pending["from"]
     if pending["knob"] == REPLICAS:
         return None if raised else _latency_regression(baseline, snapshot, limits, config)
@@ -103,7 +108,7 @@ def _made_worse(
         return f"{fmt(snapshot.oom_kills)} OOM kills after raising it"
     if (snapshot.restarts or 0) > 0:
         return f"{fmt(snapshot.restarts)} engine restarts after raising it"
-    before_preempt = baseline.get("preemptionsPerSecond") or 0.0
+    before_preempt = (baseline.get("preemptionsPerSecond") or 0.0) * per_engine
     preempt_floor = config.preemptions_per_pod_s * max(snapshot.pods, 1)
     if (
         snapshot.preemptions_per_s > preempt_floor
@@ -115,8 +120,9 @@ def _made_worse(
     # from the queue again before it decodes them, so generated tokens alone dip there even
     # when the new value serves as fast (seen in the live test: 10.7 -> 1.3 generated tok/s
     # while prompt tokens stayed at 41-43/s).
-    before_tokens = (baseline.get("generationTokensPerSecond") or 0.0) + (
-        baseline.get("promptTokensPerSecond") or 0.0
+    before_tokens = per_engine * (
+        (baseline.get("generationTokensPerSecond") or 0.0)
+        + (baseline.get("promptTokensPerSecond") or 0.0)
     )
     after_tokens = snapshot.generation_tokens_per_s + snapshot.prompt_tokens_per_s
     if snapshot.requests_waiting > 0 and after_tokens < config.worse_throughput_ratio * before_tokens:

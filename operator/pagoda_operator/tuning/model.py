@@ -144,6 +144,9 @@ class Proposal:
     knob: str
     new: float
     reason: str
+    # Engines to add, and have Ready, before this engine-knob change rolls out, so that as
+    # many serve through its rollout as before it (see policy._cover_engines).
+    cover: int = 0
 
 
 def record_move(state: dict[str, Any], knob: str, old: float, new: float, now: float) -> None:

@@ -26,6 +26,7 @@ What keeps it steady:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -64,6 +65,9 @@ def empty_state() -> dict[str, Any]:
         # Requests/s one engine served in the last window it was saturated (see _saturated).
         "capacity": None,
         "pending": None,
+        # An engine-knob change waiting for (or rolling out on) engines added to cover its
+        # rollout; see _cover_engines and _covered.
+        "cover": None,
         "lastChangeTime": None,
         "lastMove": {},
         "rejected": [],
@@ -95,6 +99,8 @@ def decide(
             # Engines that crash at start-up report nothing: the deadline still runs.
             outcome = watch_pending(None, limits, state, now, rollout_complete, config)
             if isinstance(outcome, Decision) and outcome.action == "revert":
+                if state["cover"] is not None and state["cover"]["phase"] == "adding":
+                    state["cover"] = None  # the engines never came: the change is not made
                 return outcome, state
         return Decision("hold", f"holding steady: {problem or 'no metrics'}"), state
     if rollout_complete and (mode != "Auto" or _unchanging(state["pending"], snapshot, now)):
@@ -114,12 +120,18 @@ def decide(
     state["rejected"] = [r for r in state["rejected"] if r["until"] > now]
     verdict = None
     if mode != "Auto":
-        state["pending"] = None
+        state["pending"] = state["cover"] = None
+    elif state["cover"] is not None and state["cover"]["phase"] == "adding":
+        return _covered(snapshot, settings, limits, state, now, rollout_complete, config), state
     elif state["pending"] is not None:
         outcome = watch_pending(snapshot, limits, state, now, rollout_complete, config)
         if isinstance(outcome, Decision):
             return outcome, state
         verdict = outcome
+    if mode == "Auto" and state["cover"] is not None and state["pending"] is None:
+        give_back = _give_back(snapshot, settings, state, now, verdict, config)
+        if give_back is not None:
+            return give_back, state
     urgent_only = False
     if mode == "Auto" and state["lastChangeTime"] is not None:
         remaining = limits.cooldown_s - (now - state["lastChangeTime"])
@@ -134,8 +146,13 @@ def decide(
     if proposal is None:
         reason = f"holding: {blocked}" if blocked else _steady_reason(snapshot, limits)
         return Decision("hold", reason, verdict=verdict), state
+    if mode == "Auto" and proposal.cover:
+        return _add_cover(proposal, snapshot, settings, state, now, verdict), state
     old = settings[proposal.knob]
-    decision = Decision("change", proposal.reason, proposal.knob, old, proposal.new, verdict)
+    reason = proposal.reason
+    if proposal.cover:
+        reason += f" (once {proposal.cover} engines more are Ready to cover its rollout)"
+    decision = Decision("change", reason, proposal.knob, old, proposal.new, verdict)
     if mode == "Auto":
         state["pending"] = {
             "knob": proposal.knob,
@@ -147,6 +164,161 @@ def decide(
         }
         record_move(state, proposal.knob, old, proposal.new, now)
     return decision, state
+
+
+# ----- covered rollouts ------------------------------------------------------------------
+
+
+def _add_cover(
+    proposal: Proposal,
+    snapshot: Snapshot,
+    settings: dict[str, float],
+    state: dict[str, Any],
+    now: float,
+    verdict: str | None,
+) -> Decision:
+    """The first step of a covered engine-knob change: the engines its rollout takes down
+    are added now; the change itself waits for them (``_covered``). Not a tuning move of
+    replicas (no cooldown, no dwell): the engines go back once the change is judged."""
+    replicas = settings[REPLICAS]
+    change = f"{proposal.knob} {fmt(settings[proposal.knob])} -> {fmt(proposal.new)}"
+    state["cover"] = {
+        "phase": "adding",
+        "knob": proposal.knob,
+        "from": settings[proposal.knob],
+        "to": proposal.new,
+        "reason": proposal.reason,
+        "engines": proposal.cover,
+        "replicas": replicas + proposal.cover,
+        # The window before the cover, every engine serving all of it: the change is
+        # judged per engine against it.
+        "baseline": snapshot.summary(),
+    }
+    state["pending"] = {
+        "knob": REPLICAS,
+        "from": replicas,
+        "to": replicas + proposal.cover,
+        "time": now,
+        "settledTime": None,
+        "baseline": snapshot.summary(),
+        "cover": True,
+    }
+    reason = (
+        f"{proposal.cover} engines added to cover the rollout of {change}, which takes "
+        f"{proposal.cover} down at a time; the change follows once they are Ready: "
+        f"{proposal.reason}"
+    )
+    return Decision("change", reason, REPLICAS, replicas, replicas + proposal.cover, verdict)
+
+
+def _covered(
+    snapshot: Snapshot | None,
+    settings: dict[str, float],
+    limits: Limits,
+    state: dict[str, Any],
+    now: float,
+    rollout_complete: bool,
+    config: PolicyConfig,
+) -> Decision:
+    """While the engines added to cover a change start: hold (or revert them when they do
+    not come up by the deadline); once they are Ready, the change, unless it is no longer
+    allowed or the load has risen so that the replica rules want the engines (they stay)."""
+    cover = state["cover"]
+    if not rollout_complete or snapshot is None:
+        outcome = watch_pending(snapshot, limits, state, now, rollout_complete, config)
+        assert isinstance(outcome, Decision)  # a rollout under way is never judged
+        if outcome.action == "revert":
+            state["cover"] = None
+        return outcome
+    state["pending"] = None
+    state["cover"] = None
+    change = f"{cover['knob']} {fmt(cover['from'])} -> {fmt(cover['to'])}"
+    ready = f"{cover['engines']} engines added to cover the rollout of {change} Ready"
+    if state["streaks"]["overload"] or state["streaks"]["nearTarget"]:
+        return Decision(
+            "hold",
+            f"the {cover['engines']} engines added to cover {change} are Ready, but the load "
+            f"rose meanwhile: they stay, and {cover['knob']} stays until the next calm",
+            verdict=f"{ready}; they stay: the load rose meanwhile",
+        )
+    allowed = _allowed(
+        Proposal(cover["knob"], cover["to"], cover["reason"]), settings, limits, state, now, config
+    )
+    if isinstance(allowed, str) or settings[cover["knob"]] != cover["from"]:
+        why = allowed if isinstance(allowed, str) else f"{cover['knob']} changed meanwhile"
+        return Decision("hold", f"{change} not made: {why}", verdict=f"{ready}; they stay")
+    state["cover"] = {**cover, "phase": "rolling"}
+    state["pending"] = {
+        "knob": cover["knob"],
+        "from": cover["from"],
+        "to": allowed.new,
+        "time": now,
+        "settledTime": None,
+        "baseline": cover["baseline"],
+    }
+    record_move(state, cover["knob"], cover["from"], allowed.new, now)
+    return Decision(
+        "change",
+        f"the {cover['engines']} engines added to cover its rollout are Ready: {cover['reason']}",
+        cover["knob"],
+        cover["from"],
+        allowed.new,
+        verdict=ready,
+    )
+
+
+def _give_back(
+    snapshot: Snapshot,
+    settings: dict[str, float],
+    state: dict[str, Any],
+    now: float,
+    verdict: str | None,
+    config: PolicyConfig,
+) -> Decision | None:
+    """Once a covered change has been judged, its engines go back, unless the replica rules
+    want them by then (the engines left would run near their limits: TTFT near the target,
+    a queue, busy slots or cache, or demand near the saturated rate measured) or the
+    replicas moved meanwhile. None when they stay: the window goes on to the rules."""
+    cover, state["cover"] = state["cover"], None
+    if settings[REPLICAS] != cover["replicas"]:
+        return None
+    streaks = state["streaks"]
+    if any(streaks[name] for name in ("overload", "nearTarget", "busy", "kvBusy", "queued")):
+        return None
+    pods_after = snapshot.pods - cover["engines"]
+    if pods_after < 1:
+        return None
+    spread = snapshot.pods / pods_after
+    seqs = settings[MAX_NUM_SEQS]
+    if (
+        snapshot.requests_running / snapshot.pods * spread > config.busy_fraction * seqs
+        or snapshot.kv_cache_usage * spread > config.kv_headroom
+    ):
+        return None
+    capacity = _usable_capacity(state["capacity"], snapshot, config)
+    if capacity is not None and demand_per_s(snapshot) > (
+        pods_after * capacity * config.scale_up_utilization
+    ):
+        return None
+    replicas = settings[REPLICAS]
+    state["pending"] = {
+        "knob": REPLICAS,
+        "from": replicas,
+        "to": replicas - cover["engines"],
+        "time": now,
+        "settledTime": None,
+        "baseline": snapshot.summary(),
+    }
+    change = f"{cover['knob']} {fmt(cover['from'])} -> {fmt(cover['to'])}"
+    return Decision(
+        "change",
+        f"giving back the {cover['engines']} engines added to cover the rollout of {change}, "
+        f"now judged; {pods_after} engines hold the load",
+        REPLICAS,
+        replicas,
+        replicas - cover["engines"],
+        verdict,
+    )
 
 
 # ----- rules ----------------------------------------------------------------------------
@@ -429,7 +601,7 @@ def _candidates(
             f"{limits.ttft_target_s:g}s target for {streaks['nearTarget']} windows",
         ))  # fmt: skip
     if streaks["calm"] >= config.windows_up:
-        candidates += _balance(snapshot, seqs, limits, capacity, config)
+        candidates += _balance(snapshot, seqs, replicas, limits, capacity, config)
     if streaks["idle"] >= config.windows_down and snapshot.pods > 1:
         scale_down = _scale_down(snapshot, replicas, capacity, config)
         if scale_down is not None:
@@ -438,7 +610,12 @@ def _candidates(
 
 
 def _balance(
-    snapshot: Snapshot, seqs: float, limits: Limits, capacity: float | None, config: PolicyConfig
+    snapshot: Snapshot,
+    seqs: float,
+    replicas: float,
+    limits: Limits,
+    capacity: float | None,
+    config: PolicyConfig,
 ) -> list[Proposal]:
     """In a calm window, a bigger batch when the KV cache holds ``min_max_num_seqs_raise``
     times ``maxNumSeqs`` or more at ``kv_headroom`` (at the KV each running sequence holds
@@ -447,8 +624,9 @@ def _balance(
     ~4 ms). Made ahead of the demand because every engine restarts to take it: in the
     overload that would show the slots full, the rollout costs serving capacity (with
     maxUnavailable 1) or holds every other change until it has rolled out and been judged.
-    Only while the engines left serving through the rollout carry the load with room, and
-    the ITL is well within its target."""
+    Only while the engines left serving through the rollout carry the load with room (with
+    the engines it takes down added first where replicas can grow: ``_cover_engines``),
+    and the ITL is well within its target."""
     pods = max(snapshot.pods, 1)
     running = snapshot.requests_running / pods
     high = limits.bounds.get(MAX_NUM_SEQS, (seqs, seqs))[1]
@@ -459,7 +637,8 @@ def _balance(
         or snapshot.itl_p95_s is None
         or snapshot.itl_p95_s < 0.5 * limits.itl_target_s
     )
-    if not itl_ok or not _rollout_carried_calm(snapshot, seqs, limits, capacity, config):
+    cover = _cover_engines(replicas, limits)
+    if not itl_ok or not _rollout_carried_calm(snapshot, seqs, limits, capacity, cover, config):
         return []
     new = _batch_that_fits(snapshot, seqs, config)
     if new < config.min_max_num_seqs_raise * seqs:
@@ -470,18 +649,26 @@ def _balance(
         f"calm for {config.windows_up}+ windows with KV cache at "
         f"{snapshot.kv_cache_usage:.0%}: {new} sequences an engine fill {fill:.0%} of it, "
         f"{fmt(seqs)} slots would be the limit when the load rises",
+        cover,
     )]  # fmt: skip
 
 
 def _rollout_carried_calm(
-    snapshot: Snapshot, seqs: float, limits: Limits, capacity: float | None, config: PolicyConfig
+    snapshot: Snapshot,
+    seqs: float,
+    limits: Limits,
+    capacity: float | None,
+    cover: int,
+    config: PolicyConfig,
 ) -> bool:
     """Whether the engines left serving while a knob change rolls out (``maxUnavailable``
-    fewer) hold what all of them hold now with room: their slots under ``busy_fraction``,
-    their cache under ``kv_headroom``, and the demand within ``scale_up_utilization`` of
-    the saturated rate measured. A rollout that surges with maxUnavailable 0 loses none."""
+    fewer, ``cover`` added before it) hold what all of them hold now with room: their
+    slots under ``busy_fraction``, their cache under ``kv_headroom``, and the demand within
+    ``scale_up_utilization`` of the saturated rate measured. A rollout that surges with
+    maxUnavailable 0 loses none, and neither does one whose engines are covered."""
     pods = max(snapshot.pods, 1)
     down = pods if limits.rollout_unavailable is None else min(limits.rollout_unavailable, pods)
+    down = max(0, down - cover)
     if down == 0:
         return True
     left = pods - down
@@ -496,6 +683,22 @@ def _rollout_carried_calm(
         left * capacity * config.scale_up_utilization
     )
     return slots_ok and cache_ok and rate_ok
+
+
+def _cover_engines(replicas: float, limits: Limits) -> int:
+    """Engines to add, and have Ready, before a calm engine-knob change rolls out: as many
+    as its rollout takes down at once (maxUnavailable), as far as replicas may grow. Then
+    the Deployment, at its new size with maxUnavailable k, keeps the engines that served
+    before ready throughout (it stops an old engine only while that many stay ready): a
+    surge the user's rollout does not have, lent for the rollout and given back once the
+    change is judged. Without a measured saturated rate, that is the only way to know the
+    engines left serving carry the load. None for Recreate: it stops every engine, however
+    many there are; none when replicas are not the tuner's to move."""
+    unavailable = limits.rollout_unavailable
+    if unavailable is None or unavailable == 0 or REPLICAS not in limits.bounds:
+        return 0
+    room = int(limits.bounds[REPLICAS][1] - replicas)
+    return max(0, min(unavailable, room))
 
 
 def _fitted_to_cache(snapshot: Snapshot, seqs: float, config: PolicyConfig) -> int:
@@ -686,7 +889,7 @@ def _allowed(
         if rejected["knob"] == knob and rejected["direction"] == way:
             if (new - rejected["value"]) * way >= 0:
                 return f"{knob} {fmt(rejected['value'])} was reverted recently"
-    return Proposal(knob, new, proposal.reason)
+    return dataclasses.replace(proposal, new=new)
 
 
 def _steady_reason(snapshot: Snapshot, limits: Limits) -> str:
