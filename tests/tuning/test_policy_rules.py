@@ -154,7 +154,7 @@ def test_a_calm_raise_that_takes_an_engine_away_first_adds_one_to_cover_its_roll
     assert run.state["cover"] is None and run.settings[MAX_NUM_SEQS] == 128
 
 
-def test_a_covered_raise_is_not_made_without_room_for_the_cover() -> None:
+def test_a_covered_raise_is_made_only_with_room_for_the_cover_and_a_need_for_it() -> None:
     # At maxReplicas, and with Recreate (which stops every engine, however many there are),
     # no engine can cover the rollout: without a measured saturated rate the batch stays...
     at_max = limits(bounds={**limits().bounds, REPLICAS: (1, 2)})
@@ -164,10 +164,12 @@ def test_a_covered_raise_is_not_made_without_room_for_the_cover() -> None:
     # ...and so it does when one engine would run over 85 % of the rate measured...
     run = measured(Run(settings(replicas=2, seqs=64), at_max), 20.0)
     assert all(run.step(CALM_ROOMY).action == "hold" for _ in range(10))
-    # ...but with 30 req/s an engine measured, one carries the 20 arriving.
-    run = measured(Run(settings(replicas=2, seqs=64), at_max), 30.0)
-    decision = run.until_change(CALM_ROOMY)
-    assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
+    # ...but with 30 req/s an engine measured, one carries the 20 arriving; and then no
+    # engine is lent where there is room either: a GPU is not spent for nothing.
+    for bounded in (at_max, limits()):
+        run = measured(Run(settings(replicas=2, seqs=64), bounded), 30.0)
+        decision = run.until_change(CALM_ROOMY)
+        assert (decision.knob, decision.old, decision.new) == (MAX_NUM_SEQS, 64, 128)
 
 
 def test_engines_added_to_cover_a_change_stay_when_the_load_rises_meanwhile() -> None:

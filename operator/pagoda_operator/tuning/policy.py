@@ -637,9 +637,15 @@ def _balance(
         or snapshot.itl_p95_s is None
         or snapshot.itl_p95_s < 0.5 * limits.itl_target_s
     )
-    cover = _cover_engines(replicas, limits)
-    if not itl_ok or not _rollout_carried_calm(snapshot, seqs, limits, capacity, cover, config):
+    if not itl_ok:
         return []
+    # Engines are lent to the rollout only where those left serving are not known to carry
+    # the load (no saturated rate measured, or one too close): a GPU is not spent for nothing.
+    cover = 0
+    if not _rollout_carried_calm(snapshot, seqs, limits, capacity, 0, config):
+        cover = _cover_engines(replicas, limits)
+        if not cover or not _rollout_carried_calm(snapshot, seqs, limits, capacity, cover, config):
+            return []
     new = _batch_that_fits(snapshot, seqs, config)
     if new < config.min_max_num_seqs_raise * seqs:
         return []
@@ -686,8 +692,9 @@ def _rollout_carried_calm(
 
 
 def _cover_engines(replicas: float, limits: Limits) -> int:
-    """Engines to add, and have Ready, before a calm engine-knob change rolls out: as many
-    as its rollout takes down at once (maxUnavailable), as far as replicas may grow. Then
+    """Engines to add, and have Ready, before a calm engine-knob change rolls out, when the
+    engines left serving through it are not known to carry the load: as many as its
+    rollout takes down at once (maxUnavailable), as far as replicas may grow. Then
     the Deployment, at its new size with maxUnavailable k, keeps the engines that served
     before ready throughout (it stops an old engine only while that many stay ready): a
     surge the user's rollout does not have, lent for the rollout and given back once the
