@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from hopper_compile import run_compile_script
 
 import kernels
 from kernels import (
@@ -345,19 +346,7 @@ print("compiled")
 
 
 def test_fused_kernels_compile_for_hopper() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_compile_script(AOT_SCRIPT)
     print(done.stdout)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
     assert done.stdout.count("spills 0") == 5, done.stdout  # no kernel spills

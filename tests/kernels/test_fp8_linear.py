@@ -4,6 +4,7 @@ torch's own scaled matmul."""
 
 import pytest
 import torch
+from hopper_compile import run_compile_script
 
 from kernels import fp8_linear, fp8_linear_ref
 from kernels._float64 import fp8_linear64, rel_err
@@ -198,17 +199,5 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_compile_script(AOT_SCRIPT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

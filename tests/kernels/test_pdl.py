@@ -8,13 +8,11 @@ where the instruction does not exist."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hopper_compile import run_compile_script
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = sorted((ROOT / "kernels" / "_triton").glob("*.py"))
@@ -89,12 +87,6 @@ for arch in (90, 80):
 
 
 def test_wait_compiles_for_hopper_only() -> None:
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_compile_script(COMPILE_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["90 True True", "80 False False"], done.stdout
