@@ -28,7 +28,7 @@ from inference.server.tool_parsers import TOOL_PARSERS
 ROOT = Path(__file__).resolve().parent.parent
 CRD_COPIES = {
     "manifests": ROOT / "manifests" / "crd.yaml",
-    "helm": ROOT / "helm" / "pagoda-operator" / "files" / "llmdeployment-crd-spec.yaml",
+    "helm": ROOT / "helm" / "pagoda-operator" / "crds" / "llmdeployments.pagoda.dev.yaml",
 }
 MODEL = ModelConfig.from_dict(SHAPES["qwen2.5-7b"])  # 32768 positions
 
@@ -141,8 +141,7 @@ def test_operator_default_max_num_seqs_is_the_engines() -> None:
 
 def crd_engine_schema(copy_name: str) -> dict[str, Any]:
     document = yaml.safe_load(CRD_COPIES[copy_name].read_text())
-    crd_spec = document if copy_name == "helm" else document["spec"]  # helm: the spec only
-    (version,) = crd_spec["versions"]
+    (version,) = document["spec"]["versions"]
     return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
 
 

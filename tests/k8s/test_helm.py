@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import pytest
 import yaml
 from pagoda_operator.desired import MonitorSettings, desired_service_monitor
 
-from .conftest import CHART, MANIFESTS, load_documents
+from .conftest import CHART, MANIFESTS, REPO_ROOT, load_documents
 from .test_manifests import KUBERNETES_VERSIONS
 
+GEN_CRD = REPO_ROOT / "scripts" / "gen-crd.py"
 FULL_VALUES = Path(__file__).parent / "data" / "values-full.yaml"
 VALUE_SETS = {"default": [], "full": ["-f", str(FULL_VALUES)]}
 # Kinds that come from CRDs the validator cannot know; checked by hand below.
@@ -25,8 +27,10 @@ def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
 
 
-def render(helm: str, values: list[str]) -> list[dict[str, Any]]:
-    result = run_helm(helm, "template", "pagoda", str(CHART), "-n", "pagoda-system", *values)
+def render(helm: str, values: list[str], *flags: str) -> list[dict[str, Any]]:
+    result = run_helm(
+        helm, "template", "pagoda", str(CHART), "-n", "pagoda-system", *flags, *values
+    )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -50,9 +54,9 @@ def test_values_schema_rejects_bad_values(helm: str) -> None:
     result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "livenessPort=80")
     assert result.returncode != 0
     assert "livenessPort" in result.stderr
-    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "crd.instal=true")
+    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "rbac.craete=true")
     assert result.returncode != 0
-    assert "instal" in result.stderr
+    assert "craete" in result.stderr
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -64,14 +68,23 @@ def test_rendered_manifests_validate(rendered: tuple[str, list], version: str) -
         kubernetes_validate.validate(document, version, strict=True)
 
 
-def test_crd_is_kept_and_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
+def test_crd_comes_from_crds_and_matches_the_plain_manifest(
+    helm: str, rendered: tuple[str, list]
+) -> None:
+    """The CRD is plain YAML in crds/ (Helm installs it first, never upgrades or deletes it):
+    no template renders it, and `--include-crds` (what `helm install` applies) adds it."""
     name, documents = rendered
-    (crd,) = by_kind(documents, "CustomResourceDefinition")
-    plain = load_documents(MANIFESTS / "crd.yaml")[0]
-    assert crd["spec"] == plain["spec"], "run `python scripts/sync-crd.py`"
-    annotations = crd["metadata"].get("annotations") or {}
-    keep = annotations.get("helm.sh/resource-policy") == "keep"
-    assert keep is (name == "default")  # the full values turn crd.keep off
+    assert by_kind(documents, "CustomResourceDefinition") == []
+    with_crds = render(helm, VALUE_SETS[name], "--include-crds")
+    (crd,) = by_kind(with_crds, "CustomResourceDefinition")
+    assert crd == load_documents(MANIFESTS / "crd.yaml")[0]
+
+
+def test_generated_crd_copies_are_current() -> None:
+    result = subprocess.run(
+        [sys.executable, str(GEN_CRD), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_rbac_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
