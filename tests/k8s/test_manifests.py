@@ -108,3 +108,29 @@ def test_cpu_sample_requests_no_gpu() -> None:
     resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert "nvidia.com/gpu" not in resources.get("limits", {})
     assert "nvidia.com/gpu" not in resources.get("requests", {})
+
+
+def test_reserved_volume_names_are_the_operators(crd: dict[str, Any]) -> None:
+    """The CRD's volume rule and the operator's own check refuse the same names."""
+    from .apiserver.cel_ast import ListLiteral, parse
+
+    spec = version_schema(crd)["properties"]["spec"]["properties"]
+    (rule,) = spec["volumes"]["items"]["x-kubernetes-validations"]
+    (names,) = [node for node in _walk(parse(rule["rule"])) if isinstance(node, ListLiteral)]
+    reserved = [literal.value for literal in names.elements]
+    assert reserved == ["model", "dshm"]
+    for name in [*reserved, "scratch"]:
+        volume_spec = with_defaults({"model": {"name": "m"}, "volumes": [{"name": name}]})
+        refused = any("spec.volumes" in error for error in validate_spec(volume_spec))
+        assert refused is (name in reserved), name
+        obj = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "LLMDeployment",
+               "metadata": {"name": "m"}, "spec": volume_spec}  # fmt: skip
+        assert bool(validation_errors(crd, obj)) is (name in reserved), name
+
+
+def _walk(node: Any) -> list[Any]:
+    children = [value for value in vars(node).values() if hasattr(value, "__dataclass_fields__")]
+    for value in vars(node).values():
+        if isinstance(value, list):
+            children += [item for item in value if hasattr(item, "__dataclass_fields__")]
+    return [node] + [found for child in children for found in _walk(child)]
