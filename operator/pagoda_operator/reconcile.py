@@ -6,6 +6,7 @@ from the pure modules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from pagoda_operator.desired import (
     MonitorSettings,
     desired_objects,
 )
+from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
 from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
+from pagoda_operator.observe import cache_claim_pending, engine_pod_problem
 from pagoda_operator.plan import (
     OWNED_KINDS,
     Action,
@@ -40,11 +43,14 @@ from pagoda_operator.status import (
     status_differs,
     workload_status,
 )
+from pagoda_operator.storage import settle_claim
 
 # (event type, reason, message) -> posts an Event on the LLMDeployment.
 EmitEvent = Callable[[str, str, str], None]
 
 RETRY_DELAY_SECONDS = 15
+CUSTOM_METRICS_API = "custom.metrics.k8s.io/v1beta1"
+HPA_METRIC = "vllm_num_requests_waiting"  # as the shipped prometheus-adapter rules name it
 
 
 def llmd_path(llmd: dict[str, Any]) -> str:
@@ -101,20 +107,38 @@ async def reconcile(
     except NameConflictError as error:
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
-    except MissingApiError as error:
-        logger.warning("%s", error)
-        status = spec_problem_status(llmd, "MissingAPI", str(error), now_rfc3339())
-        return await write_status(client, llmd, status, emit)
     previous_generation = (llmd.get("status") or {}).get("observedGeneration")
+    now = now_rfc3339()
     status = workload_status(
         llmd,
         applied.deployment,
-        now_rfc3339(),
+        now,
         keep_spec_problem=False,
         cache=applied.cache,
         applied_generation=previous_generation if applied.deployment_held else None,
+        findings=await observed_findings(client, llmd, applied, now, logger),
     )
     return await write_status(client, llmd, status, emit)
+
+
+async def observed_findings(
+    client: KubeClient, llmd: dict[str, Any], applied: Applied, now: str, logger: logging.Logger
+) -> Findings:
+    """``applied.findings`` with what the engine pods and the cache claim say. Reading them
+    may fail (an older ClusterRole without ``events: list``): the status then lacks only the
+    diagnosis, never the rest."""
+    meta = llmd["metadata"]
+    findings = applied.findings
+    try:
+        if applied.deployment is not None:
+            pods = await engine_pod_problem(client, meta["namespace"], meta["name"], now)
+            findings = dataclasses.replace(findings, pods=pods)
+        if applied.cache is not None and not applied.cache.ready:
+            pending = await cache_claim_pending(client, applied.claim, now)
+            findings = dataclasses.replace(findings, claim_pending=pending)
+    except (KubeError, aiohttp.ClientError) as error:
+        logger.warning("Reading the pods or Events for the status failed: %s", error)
+    return findings
 
 
 @dataclass(frozen=True)
@@ -122,14 +146,12 @@ class Applied:
     deployment: dict[str, Any] | None
     cache: CacheState | None  # None when the weights are not downloaded
     deployment_held: bool  # the Deployment still runs an earlier generation's spec
+    findings: Findings = NO_FINDINGS
+    claim: dict[str, Any] | None = None  # the cache claim as read
 
 
 class NameConflictError(Exception):
     """An object with the LLMDeployment's name exists and belongs to someone else."""
-
-
-class MissingApiError(Exception):
-    """The spec asks for an object of a kind the cluster does not serve (KEDA's)."""
 
 
 async def apply_owned_objects(
@@ -148,14 +170,6 @@ async def apply_owned_objects(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
     keda_api = await client.serves(KEDA_API_VERSION, "scaledobjects")
-    desired = desired_objects(
-        llmd, service_monitor_api=service_monitor_api, default_image=default_image, monitor=monitor
-    )
-    if not keda_api and any(obj["apiVersion"] == KEDA_API_VERSION for obj in desired):
-        raise MissingApiError(
-            "spec.autoscaling.backend is KEDA, but the cluster serves no "
-            f"{KEDA_API_VERSION} ScaledObjects: install KEDA, or use the HPA backend"
-        )
     existing = {}
     for api_version, kind in OWNED_KINDS:
         served = keda_api if api_version == KEDA_API_VERSION else True
@@ -165,15 +179,33 @@ async def apply_owned_objects(
         existing[(api_version, kind)] = await client.get(
             object_path(api_version, kind, namespace, owned_name(kind, name))
         )
-    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
-    if cache is not None and not cache.ready:
-        desired = desired_objects(
+    live_claim = existing[("v1", "PersistentVolumeClaim")]
+    spec = with_defaults(llmd.get("spec") or {})
+    claim_problems: list[tuple[str, str]] = []
+
+    def render(model_cached: bool) -> list[dict[str, Any]]:
+        rendered = desired_objects(
             llmd,
             service_monitor_api=service_monitor_api,
             default_image=default_image,
-            model_cached=False,
+            model_cached=model_cached,
             monitor=monitor,
         )
+        # An absent optional integration is a condition, never a reason to hold the engines.
+        if not keda_api:
+            rendered = [obj for obj in rendered if obj["apiVersion"] != KEDA_API_VERSION]
+        for index, obj in enumerate(rendered):
+            if obj["kind"] == "PersistentVolumeClaim":
+                settled = settle_claim(obj, live_claim, spec)
+                rendered[index] = settled.claim
+                claim_problems[:] = settled.problems
+        return rendered
+
+    desired = render(model_cached=True)
+    autoscaling = await autoscaling_problem(client, spec, keda_api)
+    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
+    if cache is not None and not cache.ready:
+        desired = render(model_cached=False)
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
     held = False
     if cache is not None and not cache.ready:
@@ -187,11 +219,53 @@ async def apply_owned_objects(
         raise NameConflictError(messages)
     deployment = existing[("apps/v1", "Deployment")]
     for action in actions:
-        result = await _carry_out(client, action, namespace)
+        try:
+            result = await _carry_out(client, action, namespace)
+        except KubeError as error:
+            # A claim the API server refuses (a resize its class cannot do) must not stop
+            # the Deployment, applied after it, from following the spec.
+            if action.kind != "PersistentVolumeClaim" or error.retryable:
+                raise
+            claim_problems.append(("ApplyFailed", f"the API server refused it: {error.message}"))
+            continue
         emit("Normal", action.event_reason, action.event_message)
         if action.kind == "Deployment":
             deployment = result
-    return Applied(deployment, cache, held)
+    findings = Findings(
+        claim_problems=list(claim_problems) if cache is not None else None,
+        autoscaling=autoscaling,
+    )
+    return Applied(deployment, cache, held, findings, live_claim)
+
+
+async def autoscaling_problem(
+    client: KubeClient, spec: dict[str, Any], keda_api: bool
+) -> tuple[str, str] | None:
+    """Why the autoscaler the spec asks for cannot scale in this cluster, if it cannot."""
+    autoscaling = spec["autoscaling"]
+    if not autoscaling["enabled"]:
+        return None
+    if autoscaling["backend"] == "KEDA":
+        if keda_api:
+            return None
+        return "MissingAPI", (
+            f"spec.autoscaling.backend is KEDA, but the cluster serves no {KEDA_API_VERSION} "
+            "ScaledObjects: install KEDA (the ScaledObject is created once it is there), or "
+            "use the HPA backend; meanwhile the replicas stay at spec.replicas"
+        )
+    served = await client.resources(CUSTOM_METRICS_API)
+    if served is None:
+        return "MissingAPI", (
+            f"the HPA backend reads {CUSTOM_METRICS_API}, which the cluster does not serve: "
+            "install prometheus-adapter with manifests/autoscaling/prometheus-adapter-values.yaml"
+            ", or use the KEDA backend"
+        )
+    if f"pods/{HPA_METRIC}" not in served:
+        return "MetricMissing", (
+            f"{CUSTOM_METRICS_API} does not serve pods/{HPA_METRIC}: add the rules of "
+            "manifests/autoscaling/prometheus-adapter-values.yaml to the prometheus-adapter"
+        )
+    return None
 
 
 async def model_cache_state(
