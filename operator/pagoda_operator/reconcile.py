@@ -24,8 +24,9 @@ from pagoda_operator.desired import (
 )
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
+from pagoda_operator.metrics import due as metrics_due
 from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
-from pagoda_operator.observe import cache_claim_pending, engine_pod_problem
+from pagoda_operator.observe import cache_claim_pending, engine_pod_problem, metrics_finding
 from pagoda_operator.plan import (
     OWNED_KINDS,
     Action,
@@ -136,6 +137,14 @@ async def observed_findings(
         if applied.cache is not None and not applied.cache.ready:
             pending = await cache_claim_pending(client, applied.claim, now)
             findings = dataclasses.replace(findings, claim_pending=pending)
+        if metrics_due(llmd, now):
+            scraped = await metrics_finding(
+                client,
+                llmd,
+                monitor_labels=applied.monitor_labels,
+                operator_monitors=applied.operator_monitors,
+            )
+            findings = dataclasses.replace(findings, metrics=scraped)
     except (KubeError, aiohttp.ClientError) as error:
         logger.warning("Reading the pods or Events for the status failed: %s", error)
     return findings
@@ -148,6 +157,8 @@ class Applied:
     deployment_held: bool  # the Deployment still runs an earlier generation's spec
     findings: Findings = NO_FINDINGS
     claim: dict[str, Any] | None = None  # the cache claim as read
+    monitor_labels: dict[str, str] | None = None  # the ServiceMonitor's; None: none served
+    operator_monitors: bool = True  # the operator makes ServiceMonitors (not the chart)
 
 
 class NameConflictError(Exception):
@@ -235,7 +246,11 @@ async def apply_owned_objects(
         claim_problems=list(claim_problems) if cache is not None else None,
         autoscaling=autoscaling,
     )
-    return Applied(deployment, cache, held, findings, live_claim)
+    monitor_labels = next(
+        (obj["metadata"]["labels"] for obj in desired if obj["kind"] == "ServiceMonitor"),
+        None if not service_monitor_api else {},
+    )
+    return Applied(deployment, cache, held, findings, live_claim, monitor_labels, service_monitors)
 
 
 async def autoscaling_problem(

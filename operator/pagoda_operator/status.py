@@ -168,6 +168,9 @@ def workload_status(
         current = [cond for cond in current if cond["type"] != DEGRADED] + [spec_problem]
         phase = DEGRADED
     current = current + foreign_conditions(previous.get("conditions"))
+    if findings.metrics is not None:
+        current = [c for c in current if c["type"] != findings.metrics["type"]]
+        current.append(findings.metrics)
 
     return {
         "phase": phase,
@@ -313,6 +316,25 @@ def _standing_spec_problem(llmd: dict[str, Any]) -> dict[str, str] | None:
         ):
             return {key: cond[key] for key in ("type", "status", "reason", "message")}
     return None
+
+
+def needs_recheck(llmd: dict[str, Any]) -> bool:
+    """Whether the periodic pass should reconcile this LLMDeployment although nothing it
+    watches changed: a claim that stays Pending, a pod that stays unschedulable, KEDA
+    installed later and a Prometheus that still lacks the series change no owned object, yet their reasons must
+    reach the status within one pass. A settled one (Available, or scaled to zero, with its
+    metrics seen or not asked for) and a spec problem (waits for a new spec) are left."""
+    status = llmd.get("status") or {}
+    if _standing_spec_problem(llmd) is not None:
+        return False
+    if status.get("phase") not in (AVAILABLE, "ScaledToZero"):
+        return True
+    by_type = {cond.get("type"): cond for cond in status.get("conditions") or []}
+    if (by_type.get(AUTOSCALING_READY) or {}).get("status") == "False":
+        return True  # KEDA or the adapter may have been installed since
+    if not ((llmd.get("spec") or {}).get("prometheus") or {}).get("url"):
+        return False
+    return (by_type.get("MetricsScraped") or {}).get("status") != "True"
 
 
 def status_differs(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:

@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator.desired import MonitorSettings, desired_service_monitor
 from pagoda_operator.diagnosis import Findings, claim_pending, pod_problem
+from pagoda_operator.metrics import due, scraped_condition, selects, series_query, unscraped_cause
 from pagoda_operator.model_cache import CacheState
-from pagoda_operator.status import workload_status
+from pagoda_operator.status import needs_recheck, workload_status
 
 NOW = "2025-01-01T01:00:00Z"
 LONG_AGO = "2025-01-01T00:00:00Z"
@@ -159,3 +161,73 @@ def test_a_pod_problem_degrades_at_once_with_its_reason() -> None:
     assert status["phase"] == "Degraded"
     degraded = conditions(status)["Degraded"]
     assert (degraded["reason"], degraded["message"]) == problem
+
+
+# --- metrics that never reach Prometheus -----------------------------------------------------
+
+STACK = {
+    "metadata": {"name": "kube-prometheus-stack-prometheus", "namespace": "monitoring"},
+    "spec": {
+        "serviceMonitorSelector": {"matchLabels": {"release": "kube-prometheus-stack"}},
+        "serviceMonitorNamespaceSelector": {},
+    },
+}
+
+
+def cause(labels: dict[str, str], prometheuses: list[dict[str, Any]] | None, **kw: Any) -> str:
+    settings = {"service_monitor_api": True, "operator_monitors": True, **kw}
+    return unscraped_cause(
+        monitor_labels=labels, namespace="ml", prometheuses=prometheuses, **settings
+    )
+
+
+def test_a_service_monitor_the_stack_does_not_select_is_named() -> None:
+    said = cause({"app.kubernetes.io/name": "pagoda-engine"}, [STACK])
+    assert "no Prometheus selects the ServiceMonitor" in said
+    assert "release" in said and "spec.monitoring.serviceMonitorLabels" in said
+    selected = cause({"release": "kube-prometheus-stack"}, [STACK])
+    assert "targets page" in selected
+
+
+def test_other_causes() -> None:
+    assert "no Prometheus Operator" in cause({}, None, service_monitor_api=False)
+    assert "serviceMonitor.enabled" in cause({}, None, operator_monitors=False)
+    own_namespace_only = {
+        "metadata": {"name": "p", "namespace": "monitoring"},
+        "spec": {"serviceMonitorSelector": {}},
+    }
+    assert "not namespace ml" in cause({"a": "b"}, [own_namespace_only])
+    # A null selector selects no ServiceMonitor at all (the Prometheus Operator's reading).
+    assert not selects(None, {"a": "b"}) and selects({}, {"a": "b"})
+    expression = {"matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]}
+    assert selects(expression, {"team": "ml"}) and not selects(expression, {})
+
+
+def test_the_condition_and_when_to_look() -> None:
+    query = series_query("ml", "qwen")
+    assert query.startswith("count(vllm:num_requests_running{")
+    missing = scraped_condition(0, "http://p:9090", query, "because")
+    assert (missing["type"], missing["status"], missing["reason"]) == (
+        "MetricsScraped",
+        "False",
+        "SeriesMissing",
+    )
+    assert scraped_condition(2, "http://p:9090", query, "")["status"] == "True"
+    available = {"type": "Available", "status": "True", "lastTransitionTime": LONG_AGO}
+    obj = llmd(prometheus={"url": "http://p:9090"})
+    obj["status"] = {"phase": "Available", "conditions": [available]}
+    assert due(obj, NOW) and needs_recheck(obj)
+    assert not due(
+        {**obj, "status": {"conditions": [{**available, "lastTransitionTime": JUST_NOW}]}}, NOW
+    )
+    obj["status"]["conditions"].append(missing | {"status": "True"})
+    assert not due(obj, NOW) and not needs_recheck(obj)
+    assert needs_recheck({**obj, "status": {"phase": "Pending"}})
+
+
+def test_service_monitor_labels_per_llmdeployment() -> None:
+    obj = llmd(monitoring={"serviceMonitorLabels": {"release": "kps", c.LABEL_OWNER: "x"}})
+    monitor = desired_service_monitor(obj, MonitorSettings(labels={"team": "ml"}))
+    labels = monitor["metadata"]["labels"]
+    assert labels["release"] == "kps" and labels["team"] == "ml"
+    assert labels[c.LABEL_OWNER] == "qwen"  # the operator's own labels win
