@@ -176,47 +176,30 @@ async def apply_owned_objects(
 ) -> Applied:
     """Creates, updates and deletes owned objects; returns the Deployment as it is now, the
     model cache's state, and whether the Deployment's update waits for the cache."""
-    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
-    service_monitor_api = service_monitors and await client.serves(
-        "monitoring.coreos.com/v1", "servicemonitors"
+    namespace = llmd["metadata"]["namespace"]
+    served = ServedApis(
+        service_monitors=service_monitors
+        and await client.serves("monitoring.coreos.com/v1", "servicemonitors"),
+        keda=await client.serves(KEDA_API_VERSION, "scaledobjects"),
     )
-    keda_api = await client.serves(KEDA_API_VERSION, "scaledobjects")
-    existing = {}
-    for api_version, kind in OWNED_KINDS:
-        served = keda_api if api_version == KEDA_API_VERSION else True
-        if (kind == "ServiceMonitor" and not service_monitor_api) or not served:
-            existing[(api_version, kind)] = None
-            continue
-        existing[(api_version, kind)] = await client.get(
-            object_path(api_version, kind, namespace, owned_name(kind, name))
-        )
+    existing = await read_existing(client, llmd, served)
     live_claim = existing[("v1", "PersistentVolumeClaim")]
     spec = with_defaults(llmd.get("spec") or {})
-    claim_problems: list[tuple[str, str]] = []
 
-    def render(model_cached: bool) -> list[dict[str, Any]]:
+    def render(model_cached: bool) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         rendered = desired_objects(
             llmd,
-            service_monitor_api=service_monitor_api,
+            service_monitor_api=served.service_monitors,
             default_image=default_image,
             model_cached=model_cached,
             monitor=monitor,
         )
-        # An absent optional integration is a condition, never a reason to hold the engines.
-        if not keda_api:
-            rendered = [obj for obj in rendered if obj["apiVersion"] != KEDA_API_VERSION]
-        for index, obj in enumerate(rendered):
-            if obj["kind"] == "PersistentVolumeClaim":
-                settled = settle_claim(obj, live_claim, spec)
-                rendered[index] = settled.claim
-                claim_problems[:] = settled.problems
-        return rendered
+        return settled_objects(rendered, live_claim, spec, keda_api=served.keda)
 
-    desired = render(model_cached=True)
-    autoscaling = await autoscaling_problem(client, spec, keda_api)
+    desired, claim_problems = render(model_cached=True)
     cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
     if cache is not None and not cache.ready:
-        desired = render(model_cached=False)
+        desired, claim_problems = render(model_cached=False)
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
     held = False
     if cache is not None and not cache.ready:
@@ -228,29 +211,91 @@ async def apply_owned_objects(
         messages = "; ".join(action.event_message for action in conflicts)
         emit("Warning", "NameConflict", messages)
         raise NameConflictError(messages)
-    deployment = existing[("apps/v1", "Deployment")]
+    deployment, refused = await carry_out_actions(
+        client, actions, namespace, emit, existing[("apps/v1", "Deployment")]
+    )
+    findings = Findings(
+        claim_problems=claim_problems + refused if cache is not None else None,
+        autoscaling=await autoscaling_problem(client, spec, served.keda),
+    )
+    monitor_labels = next(
+        (obj["metadata"]["labels"] for obj in desired if obj["kind"] == "ServiceMonitor"),
+        {} if served.service_monitors else None,
+    )
+    return Applied(deployment, cache, held, findings, live_claim, monitor_labels, service_monitors)
+
+
+@dataclass(frozen=True)
+class ServedApis:
+    """Which optional APIs the cluster serves (and the operator uses) right now."""
+
+    service_monitors: bool
+    keda: bool
+
+
+async def read_existing(
+    client: KubeClient, llmd: dict[str, Any], served: ServedApis
+) -> dict[tuple[str, str], dict[str, Any] | None]:
+    """Each owned kind's object under the LLMDeployment's name, None where there is none
+    (or the cluster does not serve the kind)."""
+    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
+    existing: dict[tuple[str, str], dict[str, Any] | None] = {}
+    for api_version, kind in OWNED_KINDS:
+        if (kind == "ServiceMonitor" and not served.service_monitors) or (
+            api_version == KEDA_API_VERSION and not served.keda
+        ):
+            existing[(api_version, kind)] = None
+            continue
+        existing[(api_version, kind)] = await client.get(
+            object_path(api_version, kind, namespace, owned_name(kind, name))
+        )
+    return existing
+
+
+def settled_objects(
+    desired: list[dict[str, Any]],
+    live_claim: dict[str, Any] | None,
+    spec: dict[str, Any],
+    *,
+    keda_api: bool,
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """``desired`` as the cluster can take it: no KEDA objects without KEDA (an absent
+    optional integration is a condition, never a reason to hold the engines), and the cache
+    claim with the live claim's immutable fields; plus what the claim cannot follow."""
+    result, problems = [], []
+    for obj in desired:
+        if obj["apiVersion"] == KEDA_API_VERSION and not keda_api:
+            continue
+        if obj["kind"] == "PersistentVolumeClaim":
+            settled = settle_claim(obj, live_claim, spec)
+            obj, problems = settled.claim, settled.problems
+        result.append(obj)
+    return result, problems
+
+
+async def carry_out_actions(
+    client: KubeClient,
+    actions: list[Action],
+    namespace: str,
+    emit: EmitEvent,
+    deployment: dict[str, Any] | None,
+) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """Carries out each action; returns the Deployment as it is now, and the claim's
+    refusals: a claim the API server refuses (a resize its class cannot do) must not stop
+    the Deployment, applied after it, from following the spec."""
+    refused = []
     for action in actions:
         try:
             result = await _carry_out(client, action, namespace)
         except KubeError as error:
-            # A claim the API server refuses (a resize its class cannot do) must not stop
-            # the Deployment, applied after it, from following the spec.
             if action.kind != "PersistentVolumeClaim" or error.retryable:
                 raise
-            claim_problems.append(("ApplyFailed", f"the API server refused it: {error.message}"))
+            refused.append(("ApplyFailed", f"the API server refused it: {error.message}"))
             continue
         emit("Normal", action.event_reason, action.event_message)
         if action.kind == "Deployment":
             deployment = result
-    findings = Findings(
-        claim_problems=list(claim_problems) if cache is not None else None,
-        autoscaling=autoscaling,
-    )
-    monitor_labels = next(
-        (obj["metadata"]["labels"] for obj in desired if obj["kind"] == "ServiceMonitor"),
-        None if not service_monitor_api else {},
-    )
-    return Applied(deployment, cache, held, findings, live_claim, monitor_labels, service_monitors)
+    return deployment, refused
 
 
 async def autoscaling_problem(
