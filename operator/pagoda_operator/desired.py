@@ -469,8 +469,10 @@ def desired_service_monitor(
             ],
         }
     }
-    # The labels a Prometheus selects ServiceMonitors by; ours win a clash (the selector's).
-    labels = {**monitor.labels, **common_labels(name)}
+    # The labels a Prometheus selects ServiceMonitors by (the chart's, then this
+    # LLMDeployment's own); ours win a clash (the selector's).
+    own = ((llmd.get("spec") or {}).get("monitoring") or {}).get("serviceMonitorLabels") or {}
+    labels = {**monitor.labels, **own, **common_labels(name)}
     return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
 
 

@@ -19,6 +19,7 @@ from pagoda_operator import constants as c
 from pagoda_operator.desired import MonitorSettings
 from pagoda_operator.kube import KubeClient
 from pagoda_operator.reconcile import EmitEvent, owner_of, reconcile
+from pagoda_operator.status import needs_recheck
 from pagoda_operator.tuning import runner as tuning
 
 
@@ -79,11 +80,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.tuner_running = {}
     memo.tuner_events = set()
     memo.tuner = asyncio.create_task(tuner_loop(memo))
+    memo.recheck = asyncio.create_task(recheck_loop(memo))
 
 
 @kopf.on.cleanup()
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
-    tasks = [memo.tuner, *memo.tuner_running.values(), *memo.tuner_events]
+    tasks = [memo.tuner, memo.recheck, *memo.tuner_running.values(), *memo.tuner_events]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,6 +162,42 @@ for _group, _version, _plural in OWNED_WATCHES:
 
 
 TUNER_LOGGER = logging.getLogger("pagoda_operator.tuner")
+RECHECK_LOGGER = logging.getLogger("pagoda_operator.recheck")
+RECHECK_INTERVAL_ENV = "PAGODA_RECHECK_INTERVAL_SECONDS"
+DEFAULT_RECHECK_INTERVAL_SECONDS = 60.0
+
+
+async def recheck_loop(memo: kopf.Memo) -> None:
+    """Every interval, a reconcile of each LLMDeployment that is not settled (see
+    ``status.needs_recheck``): what keeps it from settling may change nothing it watches.
+    A loop of our own, not a kopf timer, for the reason ``configure`` gives."""
+    interval = float(os.environ.get(RECHECK_INTERVAL_ENV) or DEFAULT_RECHECK_INTERVAL_SECONDS)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            listed = await memo.client.get(f"/apis/{c.API_VERSION}/{c.PLURAL}")
+        except Exception:
+            RECHECK_LOGGER.exception("Listing LLMDeployments failed; trying again next round")
+            continue
+        for llmd in (listed or {}).get("items") or []:
+            if (llmd.get("metadata") or {}).get("deletionTimestamp") or not needs_recheck(llmd):
+                continue
+            llmd.setdefault("apiVersion", c.API_VERSION)
+            llmd.setdefault("kind", c.KIND)
+            meta = llmd["metadata"]
+            logger = ObjectLogger(RECHECK_LOGGER, {"object": f"{meta['namespace']}/{meta['name']}"})
+            try:
+                await reconcile(
+                    memo.client,
+                    llmd,
+                    emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
+                    default_image=memo.default_image,
+                    service_monitors=memo.service_monitors,
+                    monitor=memo.monitor,
+                    logger=logger,
+                )
+            except Exception as error:  # one object's trouble never ends the loop
+                logger.warning("Periodic reconcile failed; next round retries: %s", error)
 
 
 class ObjectLogger(logging.LoggerAdapter):

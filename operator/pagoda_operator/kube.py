@@ -203,6 +203,13 @@ class KubeClient:
         }
         await self.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", body=event)
 
+    async def resources(self, group_version: str) -> set[str] | None:
+        """Names of the resources a group version serves; None when it is not served."""
+        resource_list = await self.request("GET", f"/apis/{group_version}")
+        if resource_list is None:
+            return None
+        return {str(item.get("name")) for item in resource_list.get("resources") or []}
+
     async def serves(self, group_version: str, plural: str) -> bool:
         """Whether the cluster serves this resource, e.g. servicemonitors of the Prometheus
         Operator, whose CRD may be installed (or removed) at any time."""

@@ -145,7 +145,9 @@ def loader_job_body(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
-    for field in ("imagePullSecrets", "nodeSelector", "tolerations"):
+    # The loader is the claim's first consumer: a ReadWriteOnce volume is provisioned in its
+    # zone, so it must land where the engines may run (else "volume node affinity conflict").
+    for field in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity"):
         if spec.get(field):
             pod[field] = spec[field]
     return {

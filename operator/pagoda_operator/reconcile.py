@@ -6,6 +6,7 @@ from the pure modules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,8 +22,11 @@ from pagoda_operator.desired import (
     MonitorSettings,
     desired_objects,
 )
+from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
+from pagoda_operator.metrics import due as metrics_due
 from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
+from pagoda_operator.observe import cache_claim_pending, engine_pod_problem, metrics_finding
 from pagoda_operator.plan import (
     OWNED_KINDS,
     Action,
@@ -40,11 +44,14 @@ from pagoda_operator.status import (
     status_differs,
     workload_status,
 )
+from pagoda_operator.storage import settle_claim
 
 # (event type, reason, message) -> posts an Event on the LLMDeployment.
 EmitEvent = Callable[[str, str, str], None]
 
 RETRY_DELAY_SECONDS = 15
+CUSTOM_METRICS_API = "custom.metrics.k8s.io/v1beta1"
+HPA_METRIC = "vllm_num_requests_waiting"  # as the shipped prometheus-adapter rules name it
 
 
 def llmd_path(llmd: dict[str, Any]) -> str:
@@ -101,20 +108,46 @@ async def reconcile(
     except NameConflictError as error:
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
-    except MissingApiError as error:
-        logger.warning("%s", error)
-        status = spec_problem_status(llmd, "MissingAPI", str(error), now_rfc3339())
-        return await write_status(client, llmd, status, emit)
     previous_generation = (llmd.get("status") or {}).get("observedGeneration")
+    now = now_rfc3339()
     status = workload_status(
         llmd,
         applied.deployment,
-        now_rfc3339(),
+        now,
         keep_spec_problem=False,
         cache=applied.cache,
         applied_generation=previous_generation if applied.deployment_held else None,
+        findings=await observed_findings(client, llmd, applied, now, logger),
     )
     return await write_status(client, llmd, status, emit)
+
+
+async def observed_findings(
+    client: KubeClient, llmd: dict[str, Any], applied: Applied, now: str, logger: logging.Logger
+) -> Findings:
+    """``applied.findings`` with what the engine pods and the cache claim say. Reading them
+    may fail (an older ClusterRole without ``events: list``): the status then lacks only the
+    diagnosis, never the rest."""
+    meta = llmd["metadata"]
+    findings = applied.findings
+    try:
+        if applied.deployment is not None:
+            pods = await engine_pod_problem(client, meta["namespace"], meta["name"], now)
+            findings = dataclasses.replace(findings, pods=pods)
+        if applied.cache is not None and not applied.cache.ready:
+            pending = await cache_claim_pending(client, applied.claim, now)
+            findings = dataclasses.replace(findings, claim_pending=pending)
+        if metrics_due(llmd, now):
+            scraped = await metrics_finding(
+                client,
+                llmd,
+                monitor_labels=applied.monitor_labels,
+                operator_monitors=applied.operator_monitors,
+            )
+            findings = dataclasses.replace(findings, metrics=scraped)
+    except (KubeError, aiohttp.ClientError) as error:
+        logger.warning("Reading the pods or Events for the status failed: %s", error)
+    return findings
 
 
 @dataclass(frozen=True)
@@ -122,14 +155,14 @@ class Applied:
     deployment: dict[str, Any] | None
     cache: CacheState | None  # None when the weights are not downloaded
     deployment_held: bool  # the Deployment still runs an earlier generation's spec
+    findings: Findings = NO_FINDINGS
+    claim: dict[str, Any] | None = None  # the cache claim as read
+    monitor_labels: dict[str, str] | None = None  # the ServiceMonitor's; None: none served
+    operator_monitors: bool = True  # the operator makes ServiceMonitors (not the chart)
 
 
 class NameConflictError(Exception):
     """An object with the LLMDeployment's name exists and belongs to someone else."""
-
-
-class MissingApiError(Exception):
-    """The spec asks for an object of a kind the cluster does not serve (KEDA's)."""
 
 
 async def apply_owned_objects(
@@ -143,37 +176,30 @@ async def apply_owned_objects(
 ) -> Applied:
     """Creates, updates and deletes owned objects; returns the Deployment as it is now, the
     model cache's state, and whether the Deployment's update waits for the cache."""
-    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
-    service_monitor_api = service_monitors and await client.serves(
-        "monitoring.coreos.com/v1", "servicemonitors"
+    namespace = llmd["metadata"]["namespace"]
+    served = ServedApis(
+        service_monitors=service_monitors
+        and await client.serves("monitoring.coreos.com/v1", "servicemonitors"),
+        keda=await client.serves(KEDA_API_VERSION, "scaledobjects"),
     )
-    keda_api = await client.serves(KEDA_API_VERSION, "scaledobjects")
-    desired = desired_objects(
-        llmd, service_monitor_api=service_monitor_api, default_image=default_image, monitor=monitor
-    )
-    if not keda_api and any(obj["apiVersion"] == KEDA_API_VERSION for obj in desired):
-        raise MissingApiError(
-            "spec.autoscaling.backend is KEDA, but the cluster serves no "
-            f"{KEDA_API_VERSION} ScaledObjects: install KEDA, or use the HPA backend"
-        )
-    existing = {}
-    for api_version, kind in OWNED_KINDS:
-        served = keda_api if api_version == KEDA_API_VERSION else True
-        if (kind == "ServiceMonitor" and not service_monitor_api) or not served:
-            existing[(api_version, kind)] = None
-            continue
-        existing[(api_version, kind)] = await client.get(
-            object_path(api_version, kind, namespace, owned_name(kind, name))
-        )
-    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
-    if cache is not None and not cache.ready:
-        desired = desired_objects(
+    existing = await read_existing(client, llmd, served)
+    live_claim = existing[("v1", "PersistentVolumeClaim")]
+    spec = with_defaults(llmd.get("spec") or {})
+
+    def render(model_cached: bool) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        rendered = desired_objects(
             llmd,
-            service_monitor_api=service_monitor_api,
+            service_monitor_api=served.service_monitors,
             default_image=default_image,
-            model_cached=False,
+            model_cached=model_cached,
             monitor=monitor,
         )
+        return settled_objects(rendered, live_claim, spec, keda_api=served.keda)
+
+    desired, claim_problems = render(model_cached=True)
+    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
+    if cache is not None and not cache.ready:
+        desired, claim_problems = render(model_cached=False)
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
     held = False
     if cache is not None and not cache.ready:
@@ -185,13 +211,121 @@ async def apply_owned_objects(
         messages = "; ".join(action.event_message for action in conflicts)
         emit("Warning", "NameConflict", messages)
         raise NameConflictError(messages)
-    deployment = existing[("apps/v1", "Deployment")]
+    deployment, refused = await carry_out_actions(
+        client, actions, namespace, emit, existing[("apps/v1", "Deployment")]
+    )
+    findings = Findings(
+        claim_problems=claim_problems + refused if cache is not None else None,
+        autoscaling=await autoscaling_problem(client, spec, served.keda),
+    )
+    monitor_labels = next(
+        (obj["metadata"]["labels"] for obj in desired if obj["kind"] == "ServiceMonitor"),
+        {} if served.service_monitors else None,
+    )
+    return Applied(deployment, cache, held, findings, live_claim, monitor_labels, service_monitors)
+
+
+@dataclass(frozen=True)
+class ServedApis:
+    """Which optional APIs the cluster serves (and the operator uses) right now."""
+
+    service_monitors: bool
+    keda: bool
+
+
+async def read_existing(
+    client: KubeClient, llmd: dict[str, Any], served: ServedApis
+) -> dict[tuple[str, str], dict[str, Any] | None]:
+    """Each owned kind's object under the LLMDeployment's name, None where there is none
+    (or the cluster does not serve the kind)."""
+    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
+    existing: dict[tuple[str, str], dict[str, Any] | None] = {}
+    for api_version, kind in OWNED_KINDS:
+        if (kind == "ServiceMonitor" and not served.service_monitors) or (
+            api_version == KEDA_API_VERSION and not served.keda
+        ):
+            existing[(api_version, kind)] = None
+            continue
+        existing[(api_version, kind)] = await client.get(
+            object_path(api_version, kind, namespace, owned_name(kind, name))
+        )
+    return existing
+
+
+def settled_objects(
+    desired: list[dict[str, Any]],
+    live_claim: dict[str, Any] | None,
+    spec: dict[str, Any],
+    *,
+    keda_api: bool,
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """``desired`` as the cluster can take it: no KEDA objects without KEDA (an absent
+    optional integration is a condition, never a reason to hold the engines), and the cache
+    claim with the live claim's immutable fields; plus what the claim cannot follow."""
+    result, problems = [], []
+    for obj in desired:
+        if obj["apiVersion"] == KEDA_API_VERSION and not keda_api:
+            continue
+        if obj["kind"] == "PersistentVolumeClaim":
+            settled = settle_claim(obj, live_claim, spec)
+            obj, problems = settled.claim, settled.problems
+        result.append(obj)
+    return result, problems
+
+
+async def carry_out_actions(
+    client: KubeClient,
+    actions: list[Action],
+    namespace: str,
+    emit: EmitEvent,
+    deployment: dict[str, Any] | None,
+) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """Carries out each action; returns the Deployment as it is now, and the claim's
+    refusals: a claim the API server refuses (a resize its class cannot do) must not stop
+    the Deployment, applied after it, from following the spec."""
+    refused = []
     for action in actions:
-        result = await _carry_out(client, action, namespace)
+        try:
+            result = await _carry_out(client, action, namespace)
+        except KubeError as error:
+            if action.kind != "PersistentVolumeClaim" or error.retryable:
+                raise
+            refused.append(("ApplyFailed", f"the API server refused it: {error.message}"))
+            continue
         emit("Normal", action.event_reason, action.event_message)
         if action.kind == "Deployment":
             deployment = result
-    return Applied(deployment, cache, held)
+    return deployment, refused
+
+
+async def autoscaling_problem(
+    client: KubeClient, spec: dict[str, Any], keda_api: bool
+) -> tuple[str, str] | None:
+    """Why the autoscaler the spec asks for cannot scale in this cluster, if it cannot."""
+    autoscaling = spec["autoscaling"]
+    if not autoscaling["enabled"]:
+        return None
+    if autoscaling["backend"] == "KEDA":
+        if keda_api:
+            return None
+        return "MissingAPI", (
+            f"spec.autoscaling.backend is KEDA, but the cluster serves no {KEDA_API_VERSION} "
+            "ScaledObjects: install KEDA (the ScaledObject is created once it is there), or "
+            "use the HPA backend; meanwhile the replicas stay at spec.replicas"
+        )
+    served = await client.resources(CUSTOM_METRICS_API)
+    if served is None:
+        return "MissingAPI", (
+            f"the HPA backend reads {CUSTOM_METRICS_API}, which the cluster does not serve: "
+            "install prometheus-adapter with manifests/autoscaling/prometheus-adapter-values.yaml"
+            ", or use the KEDA backend"
+        )
+    if f"pods/{HPA_METRIC}" not in served:
+        return "MetricMissing", (
+            f"{CUSTOM_METRICS_API} does not serve pods/{HPA_METRIC}: add the rules of "
+            "manifests/autoscaling/prometheus-adapter-values.yaml to the prometheus-adapter"
+        )
+    return None
 
 
 async def model_cache_state(

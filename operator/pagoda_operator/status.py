@@ -5,10 +5,12 @@ Pure functions of the LLMDeployment, its Deployment (if any) and the current tim
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
 from pagoda_operator.desired import effective_replicas, selector_string
+from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.model_cache import CacheState
 from pagoda_operator.overrides import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, effective_spec
 
@@ -16,11 +18,20 @@ AVAILABLE = "Available"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 MODEL_CACHED = "ModelCached"
-CONDITION_TYPES = (AVAILABLE, PROGRESSING, DEGRADED, MODEL_CACHED)
+MODEL_CACHE_SYNCED = "ModelCacheSynced"  # the cache claim follows spec.model.cache
+AUTOSCALING_READY = "AutoscalingReady"  # the autoscaler the spec asks for can run here
+CONDITION_TYPES = (
+    AVAILABLE,
+    PROGRESSING,
+    DEGRADED,
+    MODEL_CACHED,
+    MODEL_CACHE_SYNCED,
+    AUTOSCALING_READY,
+)
 
 # Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
 # the spec changes, whatever the Deployment reports meanwhile.
-SPEC_PROBLEM_REASONS = ("InvalidSpec", "ApplyFailed", "NameConflict", "MissingAPI")
+SPEC_PROBLEM_REASONS = ("InvalidSpec", "ApplyFailed", "NameConflict")
 
 
 def now_rfc3339() -> str:
@@ -115,6 +126,7 @@ def workload_status(
     keep_spec_problem: bool = True,
     cache: CacheState | None = None,
     applied_generation: int | None = None,
+    findings: Findings = NO_FINDINGS,
 ) -> dict[str, Any]:
     """The status that the Deployment's own status (and the model cache's, for downloaded
     weights) implies for its LLMDeployment.
@@ -131,8 +143,19 @@ def workload_status(
     desired = effective_replicas(spec)
     counts = _replica_counts(deployment)
     phase, current = _conditions_for(desired, counts, deployment)
+    if findings.pods is not None and desired > 0:
+        # The pods' own reason, at once, rather than a rollout that "progresses" until its
+        # deadline and then says only ProgressDeadlineExceeded.
+        phase = DEGRADED
+        current = [c for c in current if c["type"] != DEGRADED]
+        current.append(condition(DEGRADED, True, *findings.pods))
     if cache is not None:
+        if findings.claim_pending is not None and not (cache.ready or cache.failed):
+            cache = dataclasses.replace(
+                cache, reason=findings.claim_pending[0], message=findings.claim_pending[1]
+            )
         phase, current = _with_model_cache(phase, current, cache, counts["ready"], desired)
+    current += _integration_conditions(findings, bool(spec["autoscaling"]["enabled"]))
     generation = meta.get("generation")
     applied = generation if applied_generation is None else applied_generation
     current = [
@@ -145,6 +168,9 @@ def workload_status(
         current = [cond for cond in current if cond["type"] != DEGRADED] + [spec_problem]
         phase = DEGRADED
     current = current + foreign_conditions(previous.get("conditions"))
+    if findings.metrics is not None:
+        current = [c for c in current if c["type"] != findings.metrics["type"]]
+        current.append(findings.metrics)
 
     return {
         "phase": phase,
@@ -166,6 +192,23 @@ def workload_status(
         },
         "conditions": merge_conditions(previous.get("conditions") or [], current, now),
     }
+
+
+def _integration_conditions(findings: Findings, autoscaled: bool) -> list[dict[str, str]]:
+    """ModelCacheSynced (with a download source) and AutoscalingReady (with autoscaling on)."""
+    result = []
+    if findings.claim_problems is not None:
+        problems = findings.claim_problems
+        result.append(
+            condition(MODEL_CACHE_SYNCED, False, problems[0][0], "; ".join(m for _, m in problems))
+            if problems
+            else condition(MODEL_CACHE_SYNCED, True, "AsSpecified", "The claim follows the spec")
+        )
+    if findings.autoscaling is not None:
+        result.append(condition(AUTOSCALING_READY, False, *findings.autoscaling))
+    elif autoscaled:
+        result.append(condition(AUTOSCALING_READY, True, "AsExpected", "The autoscaler can run"))
+    return result
 
 
 def _with_model_cache(
@@ -273,6 +316,25 @@ def _standing_spec_problem(llmd: dict[str, Any]) -> dict[str, str] | None:
         ):
             return {key: cond[key] for key in ("type", "status", "reason", "message")}
     return None
+
+
+def needs_recheck(llmd: dict[str, Any]) -> bool:
+    """Whether the periodic pass should reconcile this LLMDeployment although nothing it
+    watches changed: a claim that stays Pending, a pod that stays unschedulable, KEDA
+    installed later and a Prometheus that still lacks the series change no owned object, yet their reasons must
+    reach the status within one pass. A settled one (Available, or scaled to zero, with its
+    metrics seen or not asked for) and a spec problem (waits for a new spec) are left."""
+    status = llmd.get("status") or {}
+    if _standing_spec_problem(llmd) is not None:
+        return False
+    if status.get("phase") not in (AVAILABLE, "ScaledToZero"):
+        return True
+    by_type = {cond.get("type"): cond for cond in status.get("conditions") or []}
+    if (by_type.get(AUTOSCALING_READY) or {}).get("status") == "False":
+        return True  # KEDA or the adapter may have been installed since
+    if not ((llmd.get("spec") or {}).get("prometheus") or {}).get("url"):
+        return False
+    return (by_type.get("MetricsScraped") or {}).get("status") != "True"
 
 
 def status_differs(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:

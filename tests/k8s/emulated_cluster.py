@@ -43,6 +43,20 @@ class ResourceVersionConflictError(KubernetesError):
     )
 
 
+@attrs.frozen
+class InvalidError(KubernetesError):
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = "the object is invalid"
+
+
+# What the API server refuses to change in a PersistentVolumeClaim once it exists:
+# "spec: Forbidden: spec is immutable after creation except resources.requests and
+# volumeAttributesClassName for bound claims" (ValidatePersistentVolumeClaimUpdate in
+# kubernetes/pkg/apis/core/validation/validation.go).
+CLAIM_IMMUTABLE_FIELDS = ("accessModes", "storageClassName", "volumeMode")
+
+
 @attrs.define(kw_only=True)
 class ClusterEmulator(kmock.KubernetesEmulator):
     # (user agent, method, path, query) of every request, in arrival order.
@@ -66,6 +80,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if request.resource is not None and isinstance(request.data, dict):
             if self._stale_write(request):
                 raise ResourceVersionConflictError()
+            self._refuse_immutable_claim_change(request)
             self._fill_server_fields(request)
         deleted_uid = self._uid_being_deleted(request)
         response = await super()._handle(request)
@@ -116,6 +131,24 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     merge_patch(current.get("spec"), request.data["spec"]), sort_keys=True
                 ):
                     meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+
+    def _refuse_immutable_claim_change(self, request: rendering.Request) -> None:
+        if request.action != enums.action.UPDATE or request.subresource is not None:
+            return
+        if getattr(request.resource, "plural", None) != "persistentvolumeclaims":
+            return
+        current = self._current(request)
+        if current is None or "spec" not in request.data:
+            return
+        before = current.get("spec") or {}
+        after = merge_patch(before, request.data["spec"])
+        changed = [f for f in CLAIM_IMMUTABLE_FIELDS if before.get(f) != after.get(f)]
+        if changed:
+            raise InvalidError(
+                message=f'PersistentVolumeClaim "{request.name}" is invalid: spec: Forbidden: '
+                "spec is immutable after creation except resources.requests and "
+                f"volumeAttributesClassName for bound claims (changed: {', '.join(changed)})"
+            )
 
     def _stale_write(self, request: rendering.Request) -> bool:
         """A write preconditioned on a resourceVersion the object no longer has."""

@@ -15,6 +15,7 @@ from pagoda_operator.model_cache import cache_folder, cache_state
 from pagoda_operator.plan import plan_actions
 from pagoda_operator.spec import validate_spec, with_defaults
 from pagoda_operator.status import model_cache_event, workload_status
+from pagoda_operator.storage import settle_claim
 
 from .test_manifests import KUBERNETES_VERSIONS
 
@@ -285,3 +286,68 @@ def test_a_new_revision_keeps_the_serving_deployment_until_cached() -> None:
     verbs = {action.kind: action.verb for action in actions}
     assert verbs["Job"] == "replace"  # a Job's template cannot change in place
     assert verbs["Deployment"] == "update"  # dropped by the reconciler while loading
+
+
+# --- the claim as it exists: immutable fields are decided once -----------------------------
+
+
+def live_claim(
+    mode: str, phase: str = "Bound", size: str = "100Gi", storage_class: str | None = None
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"accessModes": [mode], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {"metadata": {"name": "qwen-model-cache"}, "spec": spec, "status": {"phase": phase}}
+
+
+def test_a_replica_change_keeps_the_live_access_mode() -> None:
+    # 1 -> 2 replicas once asked for ReadWriteMany; access modes cannot change (HTTP 422), so
+    # the claim as created stays, and nothing says it is a problem: the user asked for none.
+    spec = with_defaults(llmd(replicas=2)["spec"])
+    desired = objects(llmd(replicas=2))["PersistentVolumeClaim"]
+    settled = settle_claim(desired, live_claim("ReadWriteOnce"), spec)
+    assert settled.claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert [reason for reason, _ in settled.problems] == ["ReadWriteOnceShared"]
+    again = settle_claim(desired, live_claim("ReadWriteOnce"), spec)
+    assert again.claim["metadata"]["annotations"] == settled.claim["metadata"]["annotations"]
+    before = objects(llmd(replicas=1))["PersistentVolumeClaim"]
+    first = settle_claim(before, live_claim("ReadWriteOnce"), with_defaults(llmd()["spec"]))
+    # The same object as before the replica change: the plan has nothing to update.
+    assert first.claim == settled.claim
+
+
+def test_an_asked_change_of_an_immutable_field_is_a_problem_named_by_field() -> None:
+    cache = {"accessMode": "ReadWriteMany", "storageClassName": "efs", "size": "50Gi"}
+    obj = llmd(model={"name": "q", "source": HF_SOURCE, "cache": cache})
+    desired = objects(obj)["PersistentVolumeClaim"]
+    live = live_claim("ReadWriteOnce", storage_class="gp3")
+    settled = settle_claim(desired, live, with_defaults(obj["spec"]))
+    assert settled.claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert settled.claim["spec"]["storageClassName"] == "gp3"
+    assert settled.claim["spec"]["resources"]["requests"]["storage"] == "100Gi"  # no shrinking
+    assert {reason for reason, _ in settled.problems} == {"ImmutableField"}
+    text = " ".join(message for _, message in settled.problems)
+    for field in ("spec.model.cache.accessMode", "spec.model.cache.storageClassName"):
+        assert field in text
+    assert "spec.model.cache.size" in text and "delete the claim" in text
+
+
+def test_a_read_write_once_cache_for_several_replicas_is_said() -> None:
+    obj = llmd(replicas=3)
+    desired = objects(obj)["PersistentVolumeClaim"]
+    settled = settle_claim(desired, live_claim("ReadWriteOnce"), with_defaults(obj["spec"]))
+    assert any("Multi-Attach" in message for _, message in settled.problems)
+    # No claim yet: the spec's choice is made now (and only now).
+    fresh = settle_claim(desired, None, with_defaults(obj["spec"]))
+    assert fresh.claim["spec"]["accessModes"] == ["ReadWriteMany"] and fresh.problems == []
+
+
+def test_the_loader_lands_where_the_engines_may_run() -> None:
+    # A ReadWriteOnce volume is provisioned in the zone of its first consumer, the loader:
+    # it must be a node the engines may use too, or they meet "volume node affinity conflict".
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}}  # fmt: skip
+    owned = objects(llmd(affinity=affinity, nodeSelector={"pool": "gpu"}))
+    loader = owned["Job"]["spec"]["template"]["spec"]
+    assert loader["affinity"] == affinity and loader["nodeSelector"] == {"pool": "gpu"}

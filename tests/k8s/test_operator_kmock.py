@@ -392,6 +392,14 @@ def claim_path(namespace: str, name: str) -> str:
     return f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}-model-cache"
 
 
+def age_claim(cluster: EmulatedCluster, namespace: str, name: str) -> None:
+    """Makes the cache claim look created long ago (and never bound: no volume controller
+    runs here), as if the operator had watched it wait."""
+    wait_for(lambda: cluster.get(claim_path(namespace, name)), what="cache claim")
+    old = {"metadata": {"creationTimestamp": "2020-01-01T00:00:00Z"}}
+    cluster.patch(claim_path(namespace, name), old)
+
+
 def finish_loader(
     cluster: EmulatedCluster, namespace: str, name: str, *, result: dict[str, Any], ok: bool
 ) -> None:
@@ -587,6 +595,15 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     model = {"name": "m", "source": {"uri": "s3://models/m"}}
     cluster.patch(llmd_path(namespace, name), {"spec": {"model": model}})
     job = wait_for(lambda: cluster.get(job_path(namespace, name)), what="loader Job")
+    # A claim that stays unbound has its Events read for the status.
+    age_claim(cluster, namespace, name)
+    wait_for(
+        lambda: any(
+            method == "GET" and path.endswith(f"/namespaces/{namespace}/events")
+            for _, method, path, _ in operator_calls(cluster, namespace)
+        ),
+        what="the claim's Events read",
+    )
     model = {"name": "m", "source": {"uri": "s3://models/m2"}, "cache": {"size": "200Gi"}}
     cluster.patch(llmd_path(namespace, name), {"spec": {"model": model}})
     wait_for(
@@ -634,10 +651,13 @@ def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> N
     assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"
     # Least privilege: everything granted is something the operator was seen doing, apart
     # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away,
-    # and reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it).
+    # reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it), and
+    # listing Prometheus objects, which needs engines Ready for minutes with no series in a
+    # Prometheus (tests/k8s/test_diagnosis.py decides from what that list returns).
     never_exercised = {
         ("monitoring.coreos.com", "servicemonitors", "delete"),
         ("", "secrets", "get"),
+        ("monitoring.coreos.com", "prometheuses", "list"),
     }
     assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
 
