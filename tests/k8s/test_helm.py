@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from pagoda_operator.desired import MonitorSettings, desired_service_monitor
+from pagoda_operator.desired import MonitorSettings, desired_objects, desired_service_monitor
 
 from .conftest import CHART, MANIFESTS, load_documents
 from .test_manifests import KUBERNETES_VERSIONS
@@ -179,3 +179,56 @@ def test_helm_test_hook_calls_v1_models(rendered: tuple[str, list]) -> None:
     url = pod["spec"]["containers"][0]["args"][-1]
     expected = "qwen2-5-7b.inference" if name == "full" else "smollm2.default"
     assert url == f"http://{expected}.svc:8000/v1/models"
+
+
+def test_values_accept_global_as_a_subchart_gets_it(helm: str) -> None:
+    """A parent chart passes `global` to every subchart: the schema must let it through,
+    while still refusing typos in this chart's own keys."""
+    for command in ("template", "lint"):
+        name = ["pagoda"] if command == "template" else []
+        result = run_helm(helm, command, *name, str(CHART), "--set", "global.foo=bar")
+        assert result.returncode == 0, result.stdout + result.stderr
+    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "imagee.tag=x")
+    assert result.returncode != 0 and "imagee" in result.stderr
+
+
+def blocking_owner_kinds() -> set[tuple[str, str]]:
+    """(API group, kind) of every owner the operator's objects name with blockOwnerDeletion,
+    over samples that between them create every kind of owned object."""
+    owners = set()
+    for path in sorted((MANIFESTS / "samples").glob("*.yaml")):
+        (llmd,) = load_documents(path)
+        llmd["metadata"]["uid"] = "uid-1"
+        for obj in desired_objects(llmd, service_monitor_api=True):
+            for ref in obj["metadata"].get("ownerReferences") or []:
+                if ref.get("blockOwnerDeletion"):
+                    owners.add((ref["apiVersion"].rpartition("/")[0], ref["kind"]))
+    return owners
+
+
+def test_every_blocking_owner_reference_has_its_finalizers_permission(
+    rendered: tuple[str, list],
+) -> None:
+    """Kubernetes' OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift)
+    refuses an ownerReference with blockOwnerDeletion: true unless the client may `update`
+    the owner's `finalizers` subresource (plugin/pkg/admission/gc/gc_admission.go)."""
+    crd = load_documents(MANIFESTS / "crd.yaml")[0]
+    plurals = {(crd["spec"]["group"], crd["spec"]["names"]["kind"]): crd["spec"]["names"]["plural"]}
+    owners = blocking_owner_kinds()
+    assert owners, "the operator sets blockOwnerDeletion on its objects"
+    _, documents = rendered
+    plain = [doc for doc in load_documents(MANIFESTS / "rbac.yaml") if doc["kind"] == "ClusterRole"]
+    operator_roles = [
+        role for role in [*by_kind(documents, "ClusterRole"), *plain]
+        if role["metadata"]["name"] in ("pagoda-pagoda-operator", "pagoda-operator")
+    ]  # fmt: skip
+    assert len(operator_roles) == 2
+    for role in operator_roles:
+        for group, kind in owners:
+            assert (group, kind) in plurals, f"no plural known for owner kind {kind}"
+            resource = f"{plurals[group, kind]}/finalizers"
+            assert any(
+                group in rule["apiGroups"] and resource in rule["resources"]
+                and "update" in rule["verbs"]
+                for rule in role["rules"]
+            ), f"{role['metadata']['name']}: no update on {group} {resource}"  # fmt: skip

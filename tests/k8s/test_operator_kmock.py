@@ -634,10 +634,13 @@ def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> N
     assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"
     # Least privilege: everything granted is something the operator was seen doing, apart
     # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away,
-    # and reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it).
+    # reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it), and
+    # updating LLMDeployment finalizers: no call makes it, the API server's owner-reference
+    # admission checks it (tests/k8s/test_helm.py).
     never_exercised = {
         ("monitoring.coreos.com", "servicemonitors", "delete"),
         ("", "secrets", "get"),
+        ("pagoda.dev", "llmdeployments/finalizers", "update"),
     }
     assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
 
