@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from .checks import KubectlError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOLS = REPO_ROOT / ".tools" / "bin"
 GPU = os.environ.get("E2E_GPU") == "1"
@@ -54,7 +56,7 @@ class Cluster:
             timeout=timeout,
         )
         if result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
+            raise KubectlError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
         return result.stdout
 
     def kubectl_json(self, *args: str) -> Any:

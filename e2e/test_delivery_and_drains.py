@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+from .checks import free_gpus, wait_until
 from .conftest import Cluster
-from .test_llmdeployment import CHART, READY_TIMEOUT, http, port_forward, wait_until
+from .test_llmdeployment import CHART, READY_TIMEOUT, http, port_forward
 
 NAMESPACE = "pagoda-e2e-ops"
 MINIO_IMAGE = "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z"
@@ -249,13 +250,14 @@ def test_wrong_credentials_are_a_condition(cluster: Cluster) -> None:
 # --- a rollout with no spare GPU ----------------------------------------------------------------
 
 
-def free_gpus(cluster: Cluster) -> int:
+def cluster_free_gpus(cluster: Cluster) -> int:
     nodes = cluster.kubectl_json("get", "nodes")["items"]
-    return sum(int(n["status"].get("allocatable", {}).get("nvidia.com/gpu", 0)) for n in nodes)
+    pods = cluster.kubectl_json("get", "pods", "--all-namespaces")["items"]
+    return free_gpus(nodes, pods)
 
 
 def test_rollout_with_every_gpu_taken(cluster: Cluster) -> None:
-    gpus = free_gpus(cluster)
+    gpus = cluster_free_gpus(cluster)
     if not 1 <= gpus <= 8:
         pytest.skip(f"needs 1-8 GPUs in the cluster to fill them all (found {gpus})")
     obj = llmd(cluster, "full", replicas=gpus, engine={"device": "cuda" if cluster.gpu else "auto"})

@@ -8,32 +8,20 @@ import json
 import os
 import re
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 
+from .checks import wait_until
 from .conftest import REPO_ROOT, Cluster
 
 SAMPLE = REPO_ROOT / "manifests" / "samples" / "llmdeployment-cpu.yaml"
 CHART = REPO_ROOT / "helm" / "pagoda-operator"
 # CPU pods load the small model in seconds; GPU pods may pull a large image first.
 READY_TIMEOUT = 1800 if os.environ.get("E2E_GPU") == "1" else 900
-
-
-def wait_until(probe: Callable[[], Any], timeout: float, what: str, interval: float = 3) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(AssertionError):
-            last = probe()
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,10 @@ HEALTH_PATH = "/health"
 READY_PATH = "/ready"
 METRICS_PATH = "/metrics"
 MODEL_MOUNT_PATH = "/models"
+# The engine's writable places (its root filesystem is read-only): the engine images point
+# every cache (XDG, Hugging Face, Triton, CUDA, torch inductor, pagoda's own) under the first.
+ENGINE_CACHE_PATH = "/home/pagoda/.cache"
+ENGINE_TMP_PATH = "/tmp"
 EMBEDDED_MODEL = "default"
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -30,6 +30,12 @@ from pagoda_operator.spec import model_source, with_defaults
 
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
+CACHE_VOLUME = "engine-cache"
+TMP_VOLUME = "engine-tmp"
+# Triton's kernels and launchers, the CUDA JIT cache and, for the embedded default model on
+# the GPU image, its converted weights (~0.5 GB); over the limit the kubelet evicts the pod.
+CACHE_SIZE_LIMIT = "8Gi"
+TMP_SIZE_LIMIT = "2Gi"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 
 
@@ -271,9 +277,11 @@ def pod_security_context() -> dict[str, Any]:
 
 
 def container_security_context() -> dict[str, Any]:
+    # Read-only root: the engine writes only to its emptyDirs (see volumes).
     return {
         "allowPrivilegeEscalation": False,
         "privileged": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
 
@@ -367,7 +375,9 @@ def shm_size(spec: dict[str, Any]) -> str:
 
 def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = [
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}}
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}},
+        {"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": CACHE_SIZE_LIMIT}},
+        {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
     ]
     kind, source = model_source(spec)
     if kind == "pvc":
@@ -394,7 +404,11 @@ def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        {"name": CACHE_VOLUME, "mountPath": c.ENGINE_CACHE_PATH},
+        {"name": TMP_VOLUME, "mountPath": c.ENGINE_TMP_PATH},
+    ]
     kind, source = model_source(spec)
     if kind in ("pvc", "hostPath", "download"):
         # Read-only unless a pvc source asks otherwise (e.g. an engine that writes a

@@ -18,6 +18,7 @@ import kopf
 from pagoda_operator import constants as c
 from pagoda_operator.desired import MonitorSettings
 from pagoda_operator.kube import KubeClient
+from pagoda_operator.peering import RunOptions, led_llmdeployments
 from pagoda_operator.reconcile import EmitEvent, owner_of, reconcile
 from pagoda_operator.status import needs_recheck
 from pagoda_operator.tuning import runner as tuning
@@ -214,11 +215,12 @@ async def tuner_loop(memo: kopf.Memo) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
-            listed = await memo.client.get(f"/apis/{c.API_VERSION}/{c.PLURAL}")
+            # Only the watched namespaces, and only on the replica that leads the peering.
+            options = getattr(memo, "run_options", None) or RunOptions()
+            items = await led_llmdeployments(memo.client, options)
         except Exception:
             TUNER_LOGGER.exception("Listing LLMDeployments failed; trying again next round")
             continue
-        items = (listed or {}).get("items") or []
         listed_uids = {(item.get("metadata") or {}).get("uid") for item in items}
         for key in [k for k, task in memo.tuner_running.items() if task.done()]:
             if key not in listed_uids:

@@ -172,7 +172,7 @@ def _rollout_errors(spec: dict[str, Any]) -> list[str]:
             f"drainSeconds ({grace} < {pre_stop} + {drain}); the pod would be killed mid-drain"
         )
     for volume in spec.get("volumes") or []:
-        if (volume or {}).get("name") in ("model", "dshm"):
+        if (volume or {}).get("name") in ("model", "dshm", "engine-cache", "engine-tmp"):
             errors.append(f"spec.volumes: the name {volume['name']} is the operator's")
     budget = spec.get("disruptionBudget") or {}
     if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:

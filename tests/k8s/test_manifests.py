@@ -68,6 +68,73 @@ def test_samples_validate_against_the_crd(crd: dict[str, Any], path: Path) -> No
     assert validate_spec(with_defaults(sample["spec"])) == []
 
 
+def rendered_deployment(sample: dict[str, Any]) -> dict[str, Any]:
+    from pagoda_operator.desired import desired_objects
+
+    sample["metadata"]["uid"] = "uid-1"
+    (deployment,) = [
+        obj
+        for obj in desired_objects(sample, service_monitor_api=False)
+        if obj["kind"] == "Deployment"
+    ]
+    return deployment
+
+
+# Labels that only Node Feature Discovery or the NVIDIA GPU Operator put on nodes: a stock
+# GKE/EKS/AKS cluster with the device plugin alone has none of them, so a pod selecting one
+# stays Pending.
+ADD_ON_NODE_LABEL_PREFIXES = ("feature.node.kubernetes.io/", "nvidia.com/")
+
+
+def node_labels_required(pod: dict[str, Any]) -> set[str]:
+    keys = set(pod.get("nodeSelector") or {})
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    for term in required.get("nodeSelectorTerms") or []:
+        keys |= {expr["key"] for expr in term.get("matchExpressions") or []}
+    return keys
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_samples_render_to_a_deployment_that_schedules_without_add_ons(path: Path) -> None:
+    (sample,) = load_documents(path)
+    pod = rendered_deployment(sample)["spec"]["template"]["spec"]
+    for key in node_labels_required(pod):
+        assert not key.startswith(ADD_ON_NODE_LABEL_PREFIXES), f"{path.name} needs node label {key}"
+    limits = pod["containers"][0]["resources"].get("limits") or {}
+    if "nvidia.com/gpu" in limits:
+        # GPU node pools on GKE and EKS carry this taint.
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
+            pod.get("tolerations") or []
+        ), path.name
+
+
+def test_the_gpu_sample_needs_nothing_a_stock_cluster_lacks() -> None:
+    """Only the NVIDIA device plugin: no KEDA, no Prometheus, no volume made beforehand;
+    GPUs requested as nvidia.com/gpu, as many as the tensor-parallel size."""
+    (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu.yaml")
+    spec = sample["spec"]
+    assert spec["model"]["source"]["uri"].startswith("hf://")  # into the operator's cache
+    assert not (spec.get("autoscaling") or {}).get("enabled")
+    assert (spec.get("tuning") or {}).get("mode", "Off") == "Off"
+    assert "prometheus" not in spec
+    # One replica: the default StorageClass of a stock cluster is ReadWriteOnce.
+    assert spec["replicas"] == 1 and "accessMode" not in spec["model"]["cache"]
+    deployment = rendered_deployment(sample)
+    pod = deployment["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    tensor_parallel = spec["engine"]["tensorParallelSize"]
+    assert resources["limits"]["nvidia.com/gpu"] == tensor_parallel
+    assert resources["requests"]["nvidia.com/gpu"] == tensor_parallel
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["qwen2-5-7b-model-cache"]  # the cache the operator creates
+
+
 def test_gpu_sample_is_a_7b_model_over_two_gpus() -> None:
     (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-gpu.yaml")
     assert "7B" in sample["spec"]["model"]["name"]
@@ -96,15 +163,8 @@ def test_there_are_enough_invalid_samples() -> None:
 
 def test_cpu_sample_requests_no_gpu() -> None:
     """The CPU sample schedules on a plain kind node: no nvidia.com/gpu request."""
-    from pagoda_operator.desired import desired_objects
-
     (sample,) = load_documents(MANIFESTS / "samples" / "llmdeployment-cpu.yaml")
-    sample["metadata"]["uid"] = "uid-1"
-    (deployment,) = [
-        obj
-        for obj in desired_objects(sample, service_monitor_api=False)
-        if obj["kind"] == "Deployment"
-    ]
+    deployment = rendered_deployment(sample)
     resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert "nvidia.com/gpu" not in resources.get("limits", {})
     assert "nvidia.com/gpu" not in resources.get("requests", {})
@@ -118,7 +178,7 @@ def test_reserved_volume_names_are_the_operators(crd: dict[str, Any]) -> None:
     (rule,) = spec["volumes"]["items"]["x-kubernetes-validations"]
     (names,) = [node for node in _walk(parse(rule["rule"])) if isinstance(node, ListLiteral)]
     reserved = [literal.value for literal in names.elements]
-    assert reserved == ["model", "dshm"]
+    assert reserved == ["model", "dshm", "engine-cache", "engine-tmp"]
     for name in [*reserved, "scratch"]:
         volume_spec = with_defaults({"model": {"name": "m"}, "volumes": [{"name": name}]})
         refused = any("spec.volumes" in error for error in validate_spec(volume_spec))

@@ -653,11 +653,14 @@ def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> N
     # from removing a ServiceMonitor, which only happens when a Prometheus Operator goes away,
     # reading a Secret, which the tuner does (tests/tuning/test_tuner_live.py sees it), and
     # listing Prometheus objects, which needs engines Ready for minutes with no series in a
-    # Prometheus (tests/k8s/test_diagnosis.py decides from what that list returns).
+    # Prometheus (tests/k8s/test_diagnosis.py decides from what that list returns), and
+    # updating LLMDeployment finalizers: no call makes it, the API server's owner-reference
+    # admission checks it (tests/k8s/test_helm.py).
     never_exercised = {
         ("monitoring.coreos.com", "servicemonitors", "delete"),
         ("", "secrets", "get"),
         ("monitoring.coreos.com", "prometheuses", "list"),
+        ("pagoda.dev", "llmdeployments/finalizers", "update"),
     }
     assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
 

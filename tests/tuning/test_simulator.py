@@ -29,7 +29,7 @@ from pagoda_operator.tuning.sim.traces import TRACES, Trace, burst, tenants
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "inference" / "bench" / "results" / "sim_calibration_h200.json"
 RESULTS = ROOT / "operator" / "tuning-results"
-GPU_SAMPLE = ROOT / "manifests" / "samples" / "llmdeployment-gpu.yaml"
+GPU_SAMPLE = ROOT / "manifests" / "samples" / "llmdeployment-gpu-autoscaled.yaml"
 MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
 
 

@@ -4,8 +4,9 @@
 
 The three starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
 ``maxNumSeqs`` 1024 and ``gpuMemoryUtilization`` 0.9, the tuner's default cooldown), the
-shipped GPU sample (``manifests/samples/llmdeployment-gpu.yaml``: ``maxNumSeqs`` 256, its
-tuning bounds, batch budget and cooldown, and its autoscaler's target), and the same sample
+shipped autoscaled GPU sample (``manifests/samples/llmdeployment-gpu-autoscaled.yaml``:
+``maxNumSeqs`` 256, its tuning bounds, batch budget and cooldown, and its autoscaler's
+target), and the same sample
 with ``spec.rollout`` maxSurge 1 and maxUnavailable 0 (a knob change rolls out on a spare
 GPU, without taking an engine away). In each, side
 by side from the same start with the same replica bounds, a look every 60 s and a
@@ -88,8 +89,8 @@ SETUPS = {
         static_max_num_seqs=(128, 256, 1024),
         static_gpu_memory=(0.9, 0.95),
     ),
-    # manifests/samples/llmdeployment-gpu.yaml as shipped (tests/tuning/test_simulator.py
-    # checks these against it): engine.maxNumSeqs 256, gpuMemoryUtilization 0.9,
+    # manifests/samples/llmdeployment-gpu-autoscaled.yaml as shipped
+    # (tests/tuning/test_simulator.py checks these against it): engine.maxNumSeqs 256, gpuMemoryUtilization 0.9,
     # maxNumBatchedTokens 8192, tuning.bounds, tuning.cooldownSeconds 900, and
     # autoscaling.targetRequestsWaiting 8. Not taken from it: its tensorParallelSize 2 (the
     # engine is calibrated on one H200, which holds a 7B) and its replica bounds 2-4 (with
