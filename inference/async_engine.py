@@ -179,12 +179,12 @@ class AsyncLLMEngine:
 
     # ----- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the engine process; it loads the model in the background. Call from the
-        event loop that will consume the outputs."""
+    def launch(self) -> None:
+        """Start the engine process, which begins loading the model at once; the server
+        calls this before it imports and builds its app, so that both start together.
+        ``start`` launches it too when this was not called."""
         if self._process is not None:
-            raise RuntimeError("AsyncLLMEngine already started")
-        self._loop = asyncio.get_running_loop()
+            raise RuntimeError("AsyncLLMEngine already launched")
         context = multiprocessing.get_context("spawn")
         commands_in, self._commands = context.Pipe(duplex=False)
         self._outputs, outputs_out = context.Pipe(duplex=False)
@@ -203,6 +203,17 @@ class AsyncLLMEngine:
         # Only the child holds these ends now: its exit closes our pipe (EOF), and ours its.
         commands_in.close()
         outputs_out.close()
+        atexit.register(self._stop_process)
+
+    def start(self) -> None:
+        """Start taking the engine's messages (launching its process first unless
+        ``launch`` did); it loads the model in the background. Call from the event loop
+        that will consume the outputs."""
+        if self._loop is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = asyncio.get_running_loop()
+        if self._process is None:
+            self.launch()
         self._last_message = time.monotonic()
         for target, name in (
             (self._read_loop, "engine-reader"),
@@ -211,7 +222,6 @@ class AsyncLLMEngine:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        atexit.register(self._stop_process)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -144,6 +144,7 @@ def _add_finished(
 def default_engine_factory(config: EngineConfig) -> CoreEngine:
     from inference.llm_engine import LLMEngine
 
+    logger.info("building the engine")
     return LLMEngine(config)
 
 
@@ -448,6 +449,7 @@ def run_engine_core(
     # Ctrl-C reaches the whole process group: the server drains and then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    logger.info("engine process %d started", os.getpid())
     _exit_with_parent()
     code = EngineCore(config, commands, outputs, engine_factory).run()
     commands.close()

@@ -11,6 +11,7 @@ about the model: it only needs the runner's ``forward`` and its sizes.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -123,15 +124,20 @@ class StepGraphs:
         # Largest first: the first capture sizes the pool that every later one shares.
         shapes = [("mixed", t) for t in reversed(self.token_sizes)]
         shapes += [("decode", b) for b in reversed(self.batch_sizes)]
+        self.eager_seconds = self.record_seconds = 0.0
         with torch.inference_mode():
             for kind, size in shapes:
                 args = self._capture_inputs(kind, size)
+                t0 = time.perf_counter()
                 runner.forward(*args)  # compile/warm every kernel outside the capture
                 torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = runner.forward(*args)
                 self.graphs[kind, size] = (graph, out)
+                self.eager_seconds += t1 - t0
+                self.record_seconds += time.perf_counter() - t1
         torch.cuda.synchronize(device)
 
     def _capture_inputs(self, kind: str, size: int):

@@ -194,12 +194,16 @@ class ModelRunner:
             self.graphs = StepGraphs(self)
             # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
             logger.info(
-                "CUDA graphs: %d decode (batch <= %d), %d mixed (tokens <= %d); %.2f GiB",
+                "CUDA graphs: %d decode (batch <= %d), %d mixed (tokens <= %d); %.2f GiB; "
+                "%.2f s eager warm-up runs, %.2f s recording",
                 len(self.graphs.batch_sizes), self.graphs.batch_sizes[-1],
                 len(self.graphs.token_sizes), max(self.graphs.token_sizes, default=0),
                 (torch.cuda.memory_reserved(self.device) - before) / _GIB,
+                self.graphs.eager_seconds, self.graphs.record_seconds,
             )
+        warm_start = time.perf_counter()
         self._warm_up_attention_variants()
+        logger.info("attention variants warmed in %.2f s", time.perf_counter() - warm_start)
         return time.perf_counter() - start
 
     @torch.inference_mode()

@@ -211,10 +211,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from inference.async_engine import AsyncLLMEngine
-    from inference.server.app import CorsSettings, build_app
     from inference.server.metrics import ServerMetrics
 
     # A no-op when `pagoda`'s main has configured logging already.
@@ -262,6 +259,13 @@ def run_serve(args: argparse.Namespace) -> int:
         observer=metrics,
         engine_step_timeout_s=args.engine_step_timeout,
     )
+    # The engine process starts loading the model now, while this process imports and
+    # builds the app and the HTTP server.
+    engine.launch()
+    import uvicorn
+
+    from inference.server.app import CorsSettings, build_app
+
     app = build_app(
         engine,
         metrics,
