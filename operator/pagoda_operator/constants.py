@@ -30,6 +30,8 @@ MODEL_MOUNT_PATH = "/models"
 # The engine's writable places (its root filesystem is read-only): the engine images point
 # every cache (XDG, Hugging Face, Triton, CUDA, torch inductor, pagoda's own) under the first.
 ENGINE_CACHE_PATH = "/home/pagoda/.cache"
+# The engine image's TRITON_CACHE_DIR; mounted from the model cache volume where there is one.
+KERNEL_CACHE_PATH = f"{ENGINE_CACHE_PATH}/triton"
 ENGINE_TMP_PATH = "/tmp"
 EMBEDDED_MODEL = "default"
 

@@ -17,6 +17,7 @@ from typing import Any
 from pagoda_operator import constants as c
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
 from pagoda_operator.model_cache import (
+    KERNEL_CACHE_FOLDER,
     cache_claim_body,
     cache_claim_name,
     cache_folder,
@@ -398,7 +399,8 @@ def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     elif kind == "download":
-        claim = {"claimName": cache_claim_name(name), "readOnly": True}
+        # Writable as a volume: the weights' mount is read-only, the kernel cache's is not.
+        claim = {"claimName": cache_claim_name(name)}
         result.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
     return result
 
@@ -420,6 +422,9 @@ def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if kind == "download":
             mount["subPath"] = cache_folder(spec)
         mounts.append(mount)
+    if kind == "download":
+        mounts.append({"name": MODEL_VOLUME, "mountPath": c.KERNEL_CACHE_PATH,
+                       "subPath": KERNEL_CACHE_FOLDER})  # fmt: skip
     return mounts
 
 

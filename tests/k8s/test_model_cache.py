@@ -81,8 +81,10 @@ def test_download_source_owns_a_cache_and_a_loader_job() -> None:
     pod_spec = job["spec"]["template"]["spec"]
     (container,) = pod_spec["containers"]
     folder = cache_folder(with_defaults(llmd()["spec"]))
-    assert container["command"] == ["pagoda"]
+    # The loader makes the engines' kernel cache beside the model folders, then downloads.
+    assert container["command"] == ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0" && exec pagoda "$@"']
     assert container["args"] == [
+        "/cache/.kernel-cache",
         "download", "hf://Qwen/Qwen2.5-7B-Instruct@v1", f"/cache/{folder}",
         "--result-file", "/dev/termination-log",
     ]  # fmt: skip
@@ -98,12 +100,13 @@ def test_download_source_owns_a_cache_and_a_loader_job() -> None:
     deployment = owned["Deployment"]
     engine = deployment["spec"]["template"]["spec"]
     assert {
-        "name": "model",
-        "persistentVolumeClaim": {"claimName": "qwen-model-cache", "readOnly": True},
-    } in engine["volumes"]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": folder} in engine[
-        "containers"
-    ][0]["volumeMounts"]
+        "name": "model", "persistentVolumeClaim": {"claimName": "qwen-model-cache"},
+    } in engine["volumes"]  # fmt: skip
+    mounts = engine["containers"][0]["volumeMounts"]
+    # The weights read-only; compiled kernels persist across restarts beside them.
+    assert {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": folder} in mounts
+    assert {"name": "model", "mountPath": "/home/pagoda/.cache/triton",
+            "subPath": ".kernel-cache"} in mounts  # fmt: skip
     assert serve_args(with_defaults(llmd()["spec"]))[1] == "/models"
 
 

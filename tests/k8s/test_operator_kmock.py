@@ -443,7 +443,7 @@ def test_downloaded_model_starts_replicas_once_cached(cluster: EmulatedCluster) 
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     job = wait_for(lambda: cluster.get(job_path(namespace, name)), what="loader Job")
     loader = job["spec"]["template"]["spec"]["containers"][0]
-    assert loader["args"][:2] == ["download", HF_SOURCE["uri"]]
+    assert loader["args"][1:3] == ["download", HF_SOURCE["uri"]]
     assert loader["envFrom"] == [{"secretRef": {"name": "hf"}}]
     deployment = wait_for(lambda: cluster.get(deployment_path(namespace, name)), what="Deployment")
     assert deployment["spec"]["replicas"] == 0  # nothing to serve before the weights are there
