@@ -39,6 +39,7 @@ from inference.engine_setup import (
     resolve_dtype,
 )
 from inference.executor.interface import ModelExecutor, PendingStep
+from inference.generation_defaults import generation_defaults
 from inference.layers.kv_cache import kv_cache_torch_dtype
 from inference.model_files import load_tokenizer, resolve_model
 from inference.models.config import ModelConfig
@@ -99,6 +100,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.config = config = config.resolve(self.model_config, self.device.type)
+        for note in config.ignored_settings():
+            logger.info("%s", note)
+        # Defaults of the sampling parameters a request leaves out (--generation-config).
+        self.generation_defaults = generation_defaults(config, self.model_path)
         torch.manual_seed(config.seed)
 
         # One GPU: the model runs in this process. Tensor parallel: worker processes hold
@@ -184,6 +189,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
         params.validate()
+        check_max_logprobs(params, self.config.max_logprobs)
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_len = self.config.max_model_len
         if len(prompt_ids) >= max_len:
@@ -468,6 +474,19 @@ class LLMEngine:
             prompt_tokens_total=self.output_processor.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
         )
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ValueError if the request asks for more logprobs than --max-logprobs allows."""
+    if max_logprobs < 0:
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name, None)
+        if asked is not None and asked > max_logprobs:
+            raise ValueError(
+                f"{name}={asked} exceeds this server's limit of {max_logprobs} "
+                "(--max-logprobs)"
+            )
 
 
 def _prompt_logprobs_requests(

@@ -43,7 +43,7 @@ from inference.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from inference.server.serving import RequestLimits, TokenizerPool
+from inference.server.serving import RequestLimits, ServingOptions, TokenizerPool
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -167,15 +167,18 @@ def build_app(
     cors: CorsSettings | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    options: ServingOptions | None = None,
+    root_path: str = "",
 ) -> FastAPI:
+    """``root_path``: the path prefix a proxy strips before requests reach the server
+    (vLLM's --root-path), so that generated URLs (the OpenAPI schema's) carry it."""
     limits = limits or RequestLimits()
     tokenizer_pool = TokenizerPool()
-    completions = CompletionServing(
-        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool
-    )
+    shared = {"limits": limits, "tokenizer_pool": tokenizer_pool, "options": options}
+    completions = CompletionServing(engine, served_model_names, **shared)
     chat = ChatServing(
-        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool,
-        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+        engine, served_model_names, tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice, **shared,
     )
 
     @asynccontextmanager
@@ -188,7 +191,8 @@ def build_app(
             tokenizer_pool.shutdown()
 
     app = FastAPI(
-        title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None, redoc_url=None
+        title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None,
+        redoc_url=None, root_path=root_path,
     )
     install_error_handlers(app)
     app.state.engine = engine
