@@ -449,14 +449,22 @@ class LLMEngine:
             raise RuntimeError(reason)
 
     def shutdown(self) -> None:
-        """Release the model: stops tensor-parallel workers (no-op on one GPU). Safe to
-        call more than once."""
+        """Release the model: stops tensor-parallel workers, and drops the weights, KV
+        cache and graphs held here (their memory goes back once collected). Safe to call
+        more than once; the engine runs no more steps after it."""
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()
+        self.requests = {}
+        self._in_flight = None
+        self._pending_outputs = []
+        self._awaiting_grammar = []
+        for name in ("runner", "block_manager", "scheduler"):
+            if hasattr(self, name):
+                setattr(self, name, None)
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -134,6 +134,20 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class RootPath:
+    """The ASGI root path (--root-path) of requests a proxy forwards without a prefix it
+    has stripped; what the server's own settings give (uvicorn's) is kept."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 _bearer = HTTPBearer(auto_error=False, description="The server's --api-key, if one is set.")
 
 
@@ -192,13 +206,15 @@ def build_app(
 
     app = FastAPI(
         title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None,
-        redoc_url=None, root_path=root_path,
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.state.engine = engine
     app.state.metrics = metrics
     # The last one added runs first: CORS answers preflights before anything else.
     app.add_middleware(RequestIdMiddleware)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     cors = cors or CorsSettings()
     app.add_middleware(

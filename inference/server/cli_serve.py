@@ -398,7 +398,6 @@ def run_serve(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
-        root_path=args.root_path,
         access_log=not args.disable_uvicorn_access_log,
         # The drain has waited for the requests already; this bounds slow clients only.
         timeout_graceful_shutdown=5,

@@ -34,6 +34,7 @@ class ReasoningStream:
         # "start": before the output has shown whether it opens with <think>
         self.state = "start"
         self.implicit_start = implicit_start
+        self.opened = False  # the output opened a <think> block
         self.buffer = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -45,6 +46,7 @@ class ReasoningStream:
                 if stripped.startswith(THINK_START):
                     self.buffer = stripped[len(THINK_START):]
                     self.state = "reasoning"
+                    self.opened = True
                 elif THINK_START.startswith(stripped):
                     break  # "<thi" so far: wait for more
                 else:
@@ -84,7 +86,7 @@ class ReasoningParser:
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         reasoning, content = reasoning + more_reasoning, content + more_content
-        if stream.state == "content" and not reasoning and not self.implicit_start:
+        if not stream.opened and not self.implicit_start:
             return None, text  # no <think> block: the text as it is
         return reasoning or None, content or None
 

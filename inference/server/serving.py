@@ -216,8 +216,9 @@ class OpenAIServing:
                 param="prompt",
                 code="context_length_exceeded",
             )
+        # The generation config's max_new_tokens caps every request, as in vLLM.
+        default = self.generation_defaults.get("max_tokens")
         if max_tokens is None:
-            default = self.generation_defaults.get("max_tokens")
             room = limit - num_prompt_tokens
             return room if default is None else min(room, default)
         if num_prompt_tokens + max_tokens > limit:
@@ -230,7 +231,7 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return max_tokens
+        return max_tokens if default is None else min(max_tokens, default)
 
     def logit_bias(self, req: _SamplingFields) -> dict[int, float] | None:
         if not req.logit_bias:
