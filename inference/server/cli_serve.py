@@ -440,7 +440,8 @@ def _make_server(config, engine, grace_s: float):
             loop = self.loop
             if self.draining or loop is None or not engine.loaded:
                 if self.draining and loop is not None:  # abort what is left, now
-                    loop.call_soon_threadsafe(asyncio.ensure_future, engine.drain(0))
+                    logger.info("second signal: stopping now")
+                    loop.call_soon_threadsafe(asyncio.ensure_future, engine.drain(0, now=True))
                 super().handle_exit(sig, frame)
                 return
             self.draining = True
