@@ -51,7 +51,7 @@ from inference.sampler import (
     SamplingMetadata,
     has_penalties,
 )
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import SamplingParams, check_max_logprobs
 from inference.scheduler import ScheduledBatch, Scheduler
 from inference.sequence import Sequence
 from inference.structured_output import GrammarCompiler
@@ -482,19 +482,6 @@ class LLMEngine:
             prompt_tokens_total=self.output_processor.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
         )
-
-
-def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
-    """ValueError if the request asks for more logprobs than --max-logprobs allows."""
-    if max_logprobs < 0:
-        return
-    for name in ("logprobs", "prompt_logprobs"):
-        asked = getattr(params, name, None)
-        if asked is not None and asked > max_logprobs:
-            raise ValueError(
-                f"{name}={asked} exceeds this server's limit of {max_logprobs} "
-                "(--max-logprobs)"
-            )
 
 
 def _prompt_logprobs_requests(

@@ -191,3 +191,16 @@ class SamplingParams:
         from copy import deepcopy
 
         return deepcopy(self)
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ValueError if the request asks for more logprobs than --max-logprobs allows."""
+    if max_logprobs < 0:
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name, None)
+        if asked is not None and asked > max_logprobs:
+            raise ValueError(
+                f"{name}={asked} exceeds this server's limit of {max_logprobs} "
+                "(--max-logprobs)"
+            )

@@ -43,12 +43,12 @@ from inference.server.serving import (
     clamp_logprob,
     collect,
     engine_error,
-    requested_structured_outputs,
     top_logprobs,
     until_disconnected,
     usage,
     usage_counts,
 )
+from inference.server.structured import requested_structured_outputs
 from inference.server.tool_parsers import (
     TOOL_PARSERS,
     NamedToolParser,
