@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make run   - the OpenAI-compatible server on CPU with the embedded SmolLM2-135M-Instruct
-#                model, on 127.0.0.1:8000 (it prints a curl example once ready)
+#                model, on 127.0.0.1:8000 (PORT=..., HOST=...; it prints a curl example
+#                once ready)
 #   make test  - the whole CPU test suite
 # Both create or refresh .venv at the repo root and install what they need.
 
@@ -13,6 +14,8 @@ STAMP := $(VENV)/.pagoda-installed
 # Images: `make images` builds the three images as $(REGISTRY)/pagoda-{engine,engine-cpu,
 # operator}:$(TAG); `make push` pushes them. The defaults are the names the Helm chart and the
 # operator use when nothing else is set (chart appVersion = TAG).
+HOST ?= 127.0.0.1
+PORT ?= 8000
 REGISTRY ?= ghcr.io/pagoda-dev
 TAG ?= 0.1.0
 DOCKER ?= docker
@@ -36,8 +39,11 @@ venv: $(STAMP)
 tools: $(VENV)
 	bash scripts/fetch-k8s-tools.sh .tools
 
+# make run PORT=9000 HOST=0.0.0.0: another port or address. Tool calling with
+# tool_choice "auto" is on (the embedded model's template speaks the hermes format).
 run: venv
-	$(VENV)/bin/pagoda serve default --host 127.0.0.1 --port 8000 --device cpu --max-model-len 4096
+	$(VENV)/bin/pagoda serve default --host $(HOST) --port $(PORT) --device cpu \
+		--max-model-len 4096 --enable-auto-tool-choice --tool-call-parser hermes
 
 test: venv tools
 	$(VENV)/bin/ruff check inference kernels operator tests e2e scripts

@@ -236,22 +236,28 @@ class AsyncLLMEngine:
         """Stop accepting new requests (in-flight ones continue); /ready turns 503."""
         self._accepting = False
 
-    async def drain(self, grace_s: float) -> None:
+    async def drain(self, grace_s: float, *, now: bool = False) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace_s``, then abort
-        the rest (their handlers answer with an error) and give them a moment to do so."""
+        the rest (their handlers answer with an error) and give them a moment to do so.
+        ``now``: a second shutdown signal, which aborts at once."""
         self.begin_drain()
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + (0.0 if now else grace_s)
         while self._streams and time.monotonic() < deadline and self._dead is None:
             await asyncio.sleep(0.05)
         if not self._streams:
             return
-        logger.warning(
-            "grace period over: aborting %d request(s) still in flight", len(self._streams)
-        )
-        reason = (
-            "the server is shutting down and the request did not finish within the grace "
-            f"period ({grace_s:g} s, --shutdown-grace-seconds)"
-        )
+        if now:
+            logger.warning("second signal: stopping now: aborting %d request(s) in flight",
+                           len(self._streams))
+            reason = "the server got a second shutdown signal and is stopping now"
+        else:
+            logger.warning(
+                "grace period over: aborting %d request(s) still in flight", len(self._streams)
+            )
+            reason = (
+                "the server is shutting down and the request did not finish within the grace "
+                f"period ({grace_s:g} s, --shutdown-grace-seconds)"
+            )
         for request_id in list(self._streams):
             self.abort(request_id, reason)
         deadline = time.monotonic() + _ABORT_FLUSH_S

@@ -79,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from inference.server.vllm_flags import normalize_flag_spelling
+
+    args = build_parser().parse_args(
+        normalize_flag_spelling(sys.argv[1:] if argv is None else argv)
+    )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

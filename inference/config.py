@@ -15,6 +15,7 @@ it read; the user's config is never written to (as vLLM V1 resolves one ``VllmCo
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +34,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
 
 
 def _flag(help: str, *, choices: tuple[str, ...] | None = None,
-          aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+          aliases: tuple[str, ...] = (), no_effect: str | None = None) -> dict[str, Any]:
     """Field metadata: the command-line side of a setting (the flag is the field's name
-    in kebab case, as vLLM spells it; bools get ``--x/--no-x``)."""
-    return {"help": help, "choices": choices, "aliases": aliases}
+    in kebab case, as vLLM spells it; bools get ``--x/--no-x``). ``no_effect``: why a
+    vLLM setting changes nothing here; it is accepted, so that vLLM command lines and
+    ``LLM(...)`` calls run unchanged, and this sentence is logged when it is given."""
+    return {"help": help, "choices": choices, "aliases": aliases, "no_effect": no_effect}
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,76 @@ class EngineConfig:
     async_scheduling: bool = field(
         default=True, metadata=_flag("schedule step n+1 while step n runs on the GPU"))
 
+    # Default sampling parameters, as vLLM's --generation-config and
+    # --override-generation-config (see inference.generation_defaults).
+    generation_config: str = field(
+        default="auto", metadata=_flag(
+            "default sampling parameters of requests that leave them out: auto, the model's "
+            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+            "max_new_tokens); vllm, none; or a folder holding a generation_config.json"))
+    override_generation_config: str | None = field(
+        default=None, metadata=_flag(
+            'a JSON object over those defaults, e.g. \'{"temperature": 0.5}\''))
+    max_logprobs: int = field(
+        default=20, metadata=_flag("most logprobs (and top_logprobs) a request may ask for; "
+                                   "-1: no limit"))
+    # vLLM settings that do not apply to this engine: accepted, and their reason logged.
+    trust_remote_code: bool = field(
+        default=False, metadata=_flag(
+            "accepted for vLLM compatibility", no_effect=(
+                "--trust-remote-code has no effect: pagoda runs its own implementation of each "
+                "supported architecture and never runs code shipped with a checkpoint")))
+    revision: str | None = field(
+        default=None, metadata=_flag(
+            "accepted for vLLM compatibility", no_effect=(
+                "--revision has no effect: the engine loads the model folder as it is on disk "
+                "(fetch a revision with `pagoda download hf://ORG/NAME@REVISION DIR`)")))
+    tokenizer_revision: str | None = field(
+        default=None, metadata=_flag(
+            "accepted for vLLM compatibility", no_effect=(
+                "--tokenizer-revision has no effect: the tokenizer is read from its folder as "
+                "it is on disk")))
+    download_dir: str | None = field(
+        default=None, metadata=_flag(
+            "accepted for vLLM compatibility", no_effect=(
+                "--download-dir has no effect: the engine never downloads; it loads a local "
+                "folder (fill one with `pagoda download URI DIR`)")))
+    swap_space: float | None = field(
+        default=None, metadata=_flag(
+            "accepted for vLLM compatibility", no_effect=(
+                "--swap-space has no effect: a preempted sequence's KV cache is recomputed, "
+                "not swapped to CPU memory (as in vLLM V1), so no swap space is allocated")))
+    enable_chunked_prefill: bool | None = field(
+        default=None, metadata=_flag(
+            "long prompts are always prefilled in chunks of --max-num-batched-tokens "
+            "(--no-enable-chunked-prefill is refused)"))
+
     def __post_init__(self) -> None:
         self.validate()
+
+    def ignored_settings(self) -> list[str]:
+        """Why each given vLLM setting that does not apply here changes nothing."""
+        return [
+            f.metadata["no_effect"] for f in fields(self)
+            if f.metadata.get("no_effect") and getattr(self, f.name) not in (None, False)
+        ]  # fmt: skip
+
+    def override_generation_dict(self) -> dict[str, Any]:
+        """``override_generation_config`` as a dict (a JSON object given as text or a
+        dict, as vLLM's ``LLM(override_generation_config={...})``)."""
+        value = self.override_generation_config
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            return dict(value)
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"override_generation_config is not JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("override_generation_config must be a JSON object, got "
+                             f"{value!r}")
+        return parsed
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
@@ -188,6 +259,15 @@ class EngineConfig:
                              f"unset, got {self.quantization!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if self.enable_chunked_prefill is False:
+            raise ValueError(
+                "enable_chunked_prefill=False (--no-enable-chunked-prefill) is not supported: "
+                "pagoda always prefills long prompts in chunks of max_num_batched_tokens; to "
+                "prefill every prompt in one step, set --max-num-batched-tokens to "
+                "--max-model-len")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
+        self.override_generation_dict()  # malformed JSON fails here, not at the first request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,10 +292,12 @@ def add_engine_args(parser: argparse.ArgumentParser,
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
+        if f.metadata.get("no_effect"):
+            help_text += ": " + f.metadata["no_effect"].split(": ", 1)[-1]
         if f.default not in (None, MISSING):
             help_text += f" (default: {f.default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        if f.type in ("bool", bool):
+        if f.type in _BOOL_TYPES:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = _ARG_TYPES[str(f.type)]
@@ -227,6 +309,7 @@ def add_engine_args(parser: argparse.ArgumentParser,
 
 _ARG_TYPES = {"str | None": str, "str": str, "int": int, "int | None": int,
               "float": float, "float | None": float}
+_BOOL_TYPES = ("bool", bool, "bool | None")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

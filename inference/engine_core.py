@@ -117,6 +117,7 @@ def _engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
         device=str(engine.device),
         startup_phases=dict(engine.startup_phases),
         pid=os.getpid(),
+        generation_defaults=dict(getattr(engine, "generation_defaults", {})),
     )
 
 

@@ -72,6 +72,8 @@ class EngineInfo:
     kv_cache_dtype: str = ""  # resolved: the model's dtype or float8_e4m3fn
     startup_phases: dict[str, float] = field(default_factory=dict)
     pid: int = 0
+    # SamplingParams defaults from --generation-config (max_tokens for max_new_tokens)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = field(default=None, repr=False)  # set in the server process
 
     def __getstate__(self) -> dict[str, Any]:

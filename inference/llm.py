@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
+from inference.chat_templates import default_chat_template
 from inference.config import EngineConfig
 from inference.llm_engine import LLMEngine
 from inference.outputs import RequestOutput
@@ -26,15 +29,31 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model or "default", **engine_args))
+        self.engine: LLMEngine | None = LLMEngine(
+            EngineConfig.from_kwargs(model or "default", **engine_args)
+        )
         self._request_counter = 0
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallel); also on ``with LLM(...)``
-        exit, garbage collection and interpreter exit."""
+        """Release the engine: its worker processes (tensor parallel), weights, KV cache
+        and CUDA graphs, so that another ``LLM`` can use the memory; later calls raise
+        RuntimeError. Also on ``with LLM(...)`` exit, garbage collection and interpreter
+        exit; safe to call more than once."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return
+        self.engine = None
+        engine.shutdown()
+        del engine
+        gc.collect()  # the runner and its graphs refer to each other
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    @property
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down; create a new LLM(...) to run more")
+        return self.engine
 
     def __enter__(self) -> LLM:
         return self
@@ -46,7 +65,12 @@ class LLM:
         self.shutdown()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self._engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a ``generate`` call that gives none: the model's
+        generation-config defaults (``generation_config``), as vLLM."""
+        return SamplingParams(**self._engine.generation_defaults)
 
     def generate(
         self,
@@ -58,7 +82,7 @@ class LLM:
         ids; one SamplingParams applies to all, or give one per prompt."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -77,12 +101,22 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the chat template (``chat_template``, else the embedded model's
+        tool-capable one, else the tokenizer's) to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        engine = self._engine
+        tokenizer = engine.tokenizer
+        template = chat_template or default_chat_template(engine.model_path)
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate()")
+        extra = dict(chat_template_kwargs or {})
+        if template is not None:
+            extra["chat_template"] = template
+        if tools:
+            extra["tools"] = tools
         prompts = [
             list(
                 tokenizer.apply_chat_template(
@@ -90,7 +124,7 @@ class LLM:
                     add_generation_prompt=add_generation_prompt,
                     tokenize=True,
                     return_dict=False,
-                    **(chat_template_kwargs or {}),
+                    **extra,
                 )
             )
             for conv in conversations
@@ -108,22 +142,23 @@ class LLM:
                     # as they are.
                     p = (p or SamplingParams()).clone()
                     p.output_kind = RequestOutputKind.FINAL_ONLY
-                    self.engine.add_request(request_id, prompt, p)
+                    self._engine.add_request(request_id, prompt, p)
                 except ValueError as err:
                     raise ValueError(f"prompt {len(request_ids)}: {err}") from None
                 request_ids.append(request_id)
         except ValueError:
-            self.engine.abort_request(request_ids)  # all or nothing
+            self._engine.abort_request(request_ids)  # all or nothing
             raise
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self._engine
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
         generated = 0
         try:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+            while engine.has_unfinished_requests():
+                for output in engine.step():
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)
@@ -131,7 +166,7 @@ class LLM:
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s", refresh=False)
         except BaseException:
-            self.engine.abort_request(list(self.engine.requests))
+            engine.abort_request(list(engine.requests))
             raise
         finally:
             bar.close()

@@ -40,6 +40,7 @@ from inference.engine_setup import (
     resolve_dtype,
 )
 from inference.executor.interface import ModelExecutor, PendingStep
+from inference.generation_defaults import generation_defaults
 from inference.layers.kv_cache import kv_cache_torch_dtype
 from inference.model_files import load_tokenizer, resolve_model
 from inference.models.config import ModelConfig
@@ -51,7 +52,7 @@ from inference.sampler import (
     SamplingMetadata,
     has_penalties,
 )
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import SamplingParams, check_max_logprobs
 from inference.scheduler import ScheduledBatch, Scheduler
 from inference.sequence import Sequence
 from inference.structured_output import GrammarCompiler
@@ -101,6 +102,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.config = config = config.resolve(self.model_config, self.device.type)
+        for note in config.ignored_settings():
+            logger.info("%s", note)
+        # Defaults of the sampling parameters a request leaves out (--generation-config).
+        self.generation_defaults = generation_defaults(config, self.model_path)
         torch.manual_seed(config.seed)
 
         # One GPU: the model runs in this process. Tensor parallel: worker processes hold
@@ -186,6 +191,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
         params.validate()
+        check_max_logprobs(params, self.config.max_logprobs)
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_len = self.config.max_model_len
         if len(prompt_ids) >= max_len:
@@ -445,14 +451,22 @@ class LLMEngine:
             raise RuntimeError(reason)
 
     def shutdown(self) -> None:
-        """Release the model: stops tensor-parallel workers (no-op on one GPU). Safe to
-        call more than once."""
+        """Release the model: stops tensor-parallel workers, and drops the weights, KV
+        cache and graphs held here (their memory goes back once collected). Safe to call
+        more than once; the engine runs no more steps after it."""
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()
+        self.requests = {}
+        self._in_flight = None
+        self._pending_outputs = []
+        self._awaiting_grammar = []
+        for name in ("runner", "block_manager", "scheduler"):
+            if hasattr(self, name):
+                setattr(self, name, None)
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -155,10 +155,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad("prompt_logprobs", "must be in [0, 20]")
+        # The upper limit is the engine's max_logprobs (20 unless configured).
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.stop and not self.detokenize:
@@ -190,3 +191,16 @@ class SamplingParams:
         from copy import deepcopy
 
         return deepcopy(self)
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ValueError if the request asks for more logprobs than --max-logprobs allows."""
+    if max_logprobs < 0:
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name, None)
+        if asked is not None and asked > max_logprobs:
+            raise ValueError(
+                f"{name}={asked} exceeds this server's limit of {max_logprobs} "
+                "(--max-logprobs)"
+            )

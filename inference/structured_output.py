@@ -51,6 +51,45 @@ _CACHE_SIZE = 256
 _COMPILE_THREADS = 2
 
 
+def ascii_digits(regex: str) -> str:
+    """``regex`` with ``\\d`` as ``[0-9]`` (and ``\\D`` as ``[^0-9]``): what JSON Schema
+    patterns and most users mean, where the regex engine's ``\\d`` also admits every
+    Unicode digit ("٣")."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            if escaped == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif escaped == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(char + escaped)
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def _ascii_digit_patterns(schema: Any) -> Any:
+    """A JSON schema with every ``pattern`` string passed through ``ascii_digits``."""
+    if isinstance(schema, dict):
+        return {
+            key: ascii_digits(value) if key == "pattern" and isinstance(value, str)
+            else _ascii_digit_patterns(value)
+            for key, value in schema.items()
+        }  # fmt: skip
+    if isinstance(schema, list):
+        return [_ascii_digit_patterns(item) for item in schema]
+    return schema
+
+
 def grammar_source(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar text for ``spec``; raises ValueError, naming the constraint,
     when the schema, regex or grammar is invalid."""
@@ -60,14 +99,15 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
     try:
         if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            schema = json.dumps(_ascii_digit_patterns(schema))
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 '{"type": "object"}', defaults=options
             )
         elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            grammar = llguidance.LLMatcher.grammar_from_regex(ascii_digits(spec.regex or ""))
         elif kind == "choice":
             # JSON string literals are valid Lark literals, escapes included.
             lark = "start: " + " | ".join(json.dumps(c) for c in spec.choice or [])

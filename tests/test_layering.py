@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.async_engine",),  # the server's asyncio front of the engine process
     ("inference.engine_core", "inference.llm", "inference.__init__"),  # the engine's fronts
     ("inference.llm_engine",),  # the step loop
-    ("inference.engine_setup",),  # an engine from its config
+    # an engine from its config; default sampling parameters; chat templates
+    ("inference.engine_setup", "inference.generation_defaults", "inference.chat_templates"),
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
     ("inference.models",),  # model families, weight loading

@@ -75,12 +75,49 @@ def bench_main(add_args, run, prog: str, argv: list[str] | None = None) -> int:
     return run(add_args(argparse.ArgumentParser(prog=prog)).parse_args(argv))
 
 
+# With no --model: a real serving shape on a GPU; on CPU, where that shape takes minutes
+# a run, the embedded SmolLM2-135M-Instruct.
+GPU_DEFAULT_MODEL = "qwen2.5-1.5b"
+CPU_DEFAULT_MODEL = "default"
+
+
 def add_engine_args(parser) -> None:
     """The model (a folder or a named shape) and every engine flag of ``pagoda serve``."""
-    parser.add_argument("--model", default="qwen2.5-1.5b",
-                        help=f"model folder or a named shape: {', '.join(SHAPES)}")
+    parser.add_argument("--model", default=None,
+                        help=f"model folder, 'default' (the embedded SmolLM2-135M-Instruct) or "
+                        f"a named shape with random weights: {', '.join(SHAPES)} (default: "
+                        f"{GPU_DEFAULT_MODEL} on a GPU, the embedded model on CPU)")
     config.add_engine_args(parser, exclude=("served_model_name",))
+    add_output_args(parser)
+
+
+def add_output_args(parser) -> None:
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--plot", default=None, metavar="DIR",
+                        help="write PNG plots of this run into DIR")
+
+
+def bench_model(args) -> str:
+    """``--model``, or the default for the device the bench runs on (set on ``args``)."""
+    if args.model is None:
+        on_gpu = args.device != "cpu"
+        if on_gpu:
+            import torch
+
+            on_gpu = torch.cuda.is_available()
+        args.model = GPU_DEFAULT_MODEL if on_gpu else CPU_DEFAULT_MODEL
+        print(f"model: {args.model} (pass --model to choose)")
+    return args.model
+
+
+def write_results(args, results: dict[str, Any] | list[dict[str, Any]]) -> None:
+    """The run's records to --output-json, and its plots to --plot."""
+    write_json(args.output_json, results)
+    if getattr(args, "plot", None):
+        from inference.bench.plot import write_plots
+
+        for path in write_plots(results if isinstance(results, list) else [results], args.plot):
+            print(f"plot: {path}")
 
 
 def engine_kwargs(args, max_len_needed: int) -> dict[str, Any]:

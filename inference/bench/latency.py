@@ -10,10 +10,11 @@ import time
 from inference.bench.common import (
     add_engine_args,
     bench_main,
+    bench_model,
     engine_kwargs,
     random_prompts,
     record,
-    write_json,
+    write_results,
 )
 from inference.model_shapes import resolve_shape_model
 
@@ -58,7 +59,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def run_latency(args: argparse.Namespace) -> int:
     from inference import LLM
 
-    folder, extra = resolve_shape_model(args.model)
+    folder, extra = resolve_shape_model(bench_model(args))
     max_out = max(args.output_len)
     llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + max_out)))
     vocab = llm.engine.model_config.vocab_size
@@ -74,7 +75,7 @@ def run_latency(args: argparse.Namespace) -> int:
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
                   f"{result['output_tok_s']:9.0f} out tok/s")
-    write_json(args.output_json, results)
+    write_results(args, results)
     return 0
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.bench.common import record, write_json
+from inference.bench.common import add_output_args, record, write_results
 
 # Prompt words for text prompts without a tokenizer: common words that are one token with
 # their leading space in the usual BPE vocabularies, so the length comes out close.
@@ -94,7 +94,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"))
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
-    parser.add_argument("--output-json", default=None)
+    add_output_args(parser)
     parser.add_argument(
         "--save-detailed",
         action="store_true",
@@ -381,7 +381,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     model, results, duration = asyncio.run(run_load(args, requests))
     result = summarize(args, model, results, duration)
     print_table(result)
-    write_json(args.output_json, result)
+    write_results(args, result)
     return 0 if result["completed"] else 1
 
 

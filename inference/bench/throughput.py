@@ -9,10 +9,11 @@ import time
 from inference.bench.common import (
     add_engine_args,
     bench_main,
+    bench_model,
     engine_kwargs,
     random_prompts,
     record,
-    write_json,
+    write_results,
 )
 from inference.model_shapes import resolve_shape_model
 
@@ -31,7 +32,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def run_throughput(args: argparse.Namespace) -> int:
     from inference import LLM, SamplingParams
 
-    folder, extra = resolve_shape_model(args.model)
+    folder, extra = resolve_shape_model(bench_model(args))
     t0 = time.perf_counter()
     llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + args.output_len)))
     startup_s = time.perf_counter() - t0
@@ -68,7 +69,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.peer == "transformers":
         del llm, engine
         results.append(_transformers_peer(args, folder))
-    write_json(args.output_json, results if len(results) > 1 else result)
+    write_results(args, results if len(results) > 1 else result)
     return 0
 
 

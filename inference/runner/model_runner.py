@@ -160,8 +160,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def close(self) -> None:
-        """Nothing to release in-process; the tensor-parallel executor's counterpart stops
-        its workers."""
+        """Drop the weights, KV cache and CUDA graphs (the tensor-parallel executor's
+        counterpart stops its workers); the memory is freed once nothing refers to it."""
+        self.graphs = None
+        self.kv_caches = []
+        self.model = None
 
     @property
     def dead_reason(self) -> str | None:

@@ -43,7 +43,7 @@ from inference.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from inference.server.serving import RequestLimits, TokenizerPool
+from inference.server.serving import RequestLimits, ServingOptions, TokenizerPool
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -134,6 +134,20 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class RootPath:
+    """The ASGI root path (--root-path) of requests a proxy forwards without a prefix it
+    has stripped; what the server's own settings give (uvicorn's) is kept."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 _bearer = HTTPBearer(auto_error=False, description="The server's --api-key, if one is set.")
 
 
@@ -167,15 +181,18 @@ def build_app(
     cors: CorsSettings | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    options: ServingOptions | None = None,
+    root_path: str = "",
 ) -> FastAPI:
+    """``root_path``: the path prefix a proxy strips before requests reach the server
+    (vLLM's --root-path), so that generated URLs (the OpenAPI schema's) carry it."""
     limits = limits or RequestLimits()
     tokenizer_pool = TokenizerPool()
-    completions = CompletionServing(
-        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool
-    )
+    shared = {"limits": limits, "tokenizer_pool": tokenizer_pool, "options": options}
+    completions = CompletionServing(engine, served_model_names, **shared)
     chat = ChatServing(
-        engine, served_model_names, limits=limits, tokenizer_pool=tokenizer_pool,
-        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+        engine, served_model_names, tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice, **shared,
     )
 
     @asynccontextmanager
@@ -188,13 +205,16 @@ def build_app(
             tokenizer_pool.shutdown()
 
     app = FastAPI(
-        title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None, redoc_url=None
+        title="pagoda", version=server_version(), lifespan=lifespan, docs_url=None,
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.state.engine = engine
     app.state.metrics = metrics
     # The last one added runs first: CORS answers preflights before anything else.
     app.add_middleware(RequestIdMiddleware)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     cors = cors or CorsSettings()
     app.add_middleware(

@@ -10,6 +10,7 @@ schema built from the tools), so the output always parses.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from inference.chat_templates import content_format, default_chat_template
 from inference.outputs import CompletionOutput, RequestOutput
 from inference.sampling_params import StructuredOutputsParams
 from inference.server.completions import (
@@ -33,6 +35,7 @@ from inference.server.completions import (
 )
 from inference.server.errors import APIError, error_body
 from inference.server.protocol import ChatCompletionRequest, ChatMessage, Tool, message_dicts
+from inference.server.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from inference.server.serving import (
     ClientDisconnected,
     OpenAIServing,
@@ -40,19 +43,27 @@ from inference.server.serving import (
     clamp_logprob,
     collect,
     engine_error,
-    requested_structured_outputs,
-    token_text,
     top_logprobs,
     until_disconnected,
     usage,
     usage_counts,
 )
+from inference.server.structured import requested_structured_outputs
 from inference.server.tool_parsers import (
     TOOL_PARSERS,
     NamedToolParser,
     RequiredToolParser,
     ToolParser,
     ToolStream,
+)
+
+logger = logging.getLogger("inference.server")
+# A response header (RFC 9111's Warning, code 299: a persistent warning) that clients
+# ignore: set when the chat template dropped the request's tools.
+WARNING_HEADER = "Warning"
+TOOLS_IGNORED = (
+    "the chat template ignores tools: the model was not told about them (pass a "
+    "tool-capable --chat-template)"
 )
 
 
@@ -89,6 +100,9 @@ def required_tools_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
 
 class ChatServing(OpenAIServing):
     _reserved_template_args: frozenset[str] | None = None
+    logprobs_param = "top_logprobs"
+    _template: tuple[str | None] | None = None  # resolved once the tokenizer is known
+    _warned_tools_ignored = False
 
     def __init__(
         self,
@@ -107,6 +121,22 @@ class ChatServing(OpenAIServing):
             )
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        name = self.options.reasoning_parser
+        if name is not None and name not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {name!r}; choose from {', '.join(REASONING_PARSERS)}"
+            )
+        self.reasoning_parser = REASONING_PARSERS[name]() if name is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """--chat-template's text, else the embedded model's tool-capable template, else
+        None (the tokenizer's own)."""
+        if self._template is None:
+            given = self.options.chat_template
+            folder = self.engine.engine.tokenizer_path
+            self._template = (given if given is not None else default_chat_template(folder),)
+        return self._template[0]
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """What ``tools`` and ``tool_choice`` ask for (None: plain text); 400 if invalid."""
@@ -153,7 +183,8 @@ class ChatServing(OpenAIServing):
         tools: list[Tool] | None = None,
     ) -> str:
         tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        template = self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         if add_generation_prompt and continue_final_message:
             raise APIError(
@@ -165,9 +196,15 @@ class ChatServing(OpenAIServing):
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
         if tools:
             extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+        if template is not None:
+            extra["chat_template"] = template
+        template_format = content_format(
+            self.options.chat_template_content_format,
+            template or getattr(tokenizer, "chat_template", None),
+        )
         try:
             text = tokenizer.apply_chat_template(
-                message_dicts(messages),
+                message_dicts(messages, template_format),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -194,8 +231,17 @@ class ChatServing(OpenAIServing):
             req.chat_template_kwargs,
             req.tools,
         )
+        prompt = PreparedPrompt(text, self.encode(text, add_special_tokens=False))
+        if req.tools and text == self.render_chat(
+            req.messages, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs,
+        ):
+            prompt.warnings.append(TOOLS_IGNORED)
+            if not ChatServing._warned_tools_ignored:
+                ChatServing._warned_tools_ignored = True
+                logger.warning("a request sent tools, but %s", TOOLS_IGNORED)
         # The rendered template already holds any BOS token it wants.
-        return PreparedPrompt(text, self.encode(text, add_special_tokens=False))
+        return prompt
 
     def requested_logprobs(self, req: ChatCompletionRequest) -> int | None:
         if req.top_logprobs is not None and not req.logprobs:
@@ -223,9 +269,12 @@ class ChatServing(OpenAIServing):
         except Exception as exc:
             raise engine_error(exc) or exc from exc
         view = _ChatView(self, req, prompt, request_id, tools)
+        warnings = ", ".join(f'299 pagoda "{w}"' for w in prompt.warnings)
+        headers = {WARNING_HEADER: warnings} if warnings else {}
         if req.stream:
             return StreamingResponse(
-                view.stream(first[1], stream), media_type="text/event-stream", headers=SSE_HEADERS
+                view.stream(first[1], stream), media_type="text/event-stream",
+                headers=SSE_HEADERS | headers,
             )
         try:
             finals = await until_disconnected(raw, collect(first, stream))
@@ -233,7 +282,16 @@ class ChatServing(OpenAIServing):
             return Response(status_code=499)
         except Exception as exc:
             raise engine_error(exc) or exc from exc
-        return JSONResponse(view.full_response(finals[0]))
+        return JSONResponse(view.full_response(finals[0]), headers=headers)
+
+
+@dataclass
+class _ChoiceStreams:
+    """One streamed choice's parsers: tool calls out of the content, and the reasoning
+    apart from it."""
+
+    tools: ToolStream | None
+    reasoning: ReasoningStream | None
 
 
 class _ChatView:
@@ -247,6 +305,8 @@ class _ChatView:
     ) -> None:
         self.serving = serving
         self.tools = tools
+        self.reasoning = serving.reasoning_parser
+        self.role = serving.options.response_role
         self.req = req
         self.prompt = prompt
         self.request_id = request_id
@@ -261,14 +321,13 @@ class _ChatView:
     def logprobs(self, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
         if not self.req.logprobs or completion.logprobs is None:
             return None
-        tokenizer = self.serving.tokenizer
         limit = self.req.top_logprobs or 0
         content = []
         for token_id, entry in zip(
             completion.token_ids[start:], completion.logprobs[start:], strict=False
         ):
             sampled = entry.get(token_id)
-            text = token_text(tokenizer, token_id, sampled)
+            text = self.serving.token_text(token_id, sampled)
             content.append(
                 {
                     "token": text,
@@ -276,7 +335,7 @@ class _ChatView:
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {
-                            "token": (alt := token_text(tokenizer, tid, lp)),
+                            "token": (alt := self.serving.token_text(tid, lp)),
                             "logprob": clamp_logprob(lp.logprob),
                             "bytes": list(alt.encode("utf-8")),
                         }
@@ -289,12 +348,19 @@ class _ChatView:
     def message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish reason."""
         finish_reason = completion.finish_reason
+        text: str | None = completion.text
+        reasoning_fields: dict[str, Any] = {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.parse(completion.text)
+            reasoning_fields["reasoning_content"] = reasoning
         if self.tools is None:
-            return {"role": "assistant", "content": self.echo + completion.text}, finish_reason
-        content, calls = self.tools.parser.parse(completion.text)
+            content = self.echo + text if text is not None else (self.echo or None)
+            return {"role": self.role, "content": content, **reasoning_fields}, finish_reason
+        content, calls = self.tools.parser.parse(text or "")
         message: dict[str, Any] = {
-            "role": "assistant",
+            "role": self.role,
             "content": self.echo + content if content is not None else (self.echo or None),
+            **reasoning_fields,
         }
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
@@ -327,17 +393,31 @@ class _ChatView:
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return chunk_payload(self, "chat.completion.chunk", choices)
 
-    def _tool_delta(self, stream: ToolStream, completion: CompletionOutput) -> tuple[str, str | None]:
-        """A streamed choice's delta (content and tool-call deltas) and finish reason."""
-        content, calls = stream.feed(completion.text)
+    def _delta(
+        self, streams: _ChoiceStreams, completion: CompletionOutput
+    ) -> tuple[str, str | None]:
+        """A streamed choice's delta (reasoning, content and tool-call deltas) and finish
+        reason."""
         finish_reason = completion.finish_reason
+        text, reasoning = completion.text, ""
+        if streams.reasoning is not None:
+            reasoning, text = streams.reasoning.feed(completion.text)
+            if finish_reason is not None:
+                more_reasoning, more_text = streams.reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if streams.tools is None:
+            if text:
+                delta["content"] = text
+            return dumps(delta), finish_reason
+        content, calls = streams.tools.feed(text)
         if finish_reason is not None:
-            more_content, more_calls = stream.finish()
+            more_content, more_calls = streams.tools.finish()
             content, calls = content + more_content, calls + more_calls
             assert self.tools is not None
-            if stream.num_calls and self.tools.finish_as_tool_calls and finish_reason == "stop":
+            if (streams.tools.num_calls and self.tools.finish_as_tool_calls
+                    and finish_reason == "stop"):
                 finish_reason = "tool_calls"
-        delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
         if calls:
@@ -354,7 +434,7 @@ class _ChatView:
             [
                 {
                     "index": i,
-                    "delta": {"role": "assistant", "content": self.echo},
+                    "delta": {"role": self.role, "content": self.echo},
                     "logprobs": None,
                     "finish_reason": None,
                 }
@@ -365,9 +445,14 @@ class _ChatView:
             role_chunk["usage"] = usage_counts([self.prompt], 0)
         yield sse(role_chunk)
         envelope = ChunkEnvelope(self, "chat.completion.chunk")
-        tool_streams = (
-            {i: self.tools.parser.stream() for i in range(self.req.n)} if self.tools else None
-        )
+        plain = self.tools is None and self.reasoning is None
+        choice_streams = {
+            i: _ChoiceStreams(
+                self.tools.parser.stream() if self.tools else None,
+                self.reasoning.stream() if self.reasoning else None,
+            )
+            for i in range(self.req.n)
+        }
         num_tokens = 0
         try:
             output: RequestOutput | None = first
@@ -376,10 +461,10 @@ class _ChatView:
                 for c in output.outputs:
                     num_tokens += len(c.token_ids)
                     finish_reason = c.finish_reason
-                    if tool_streams is None:
+                    if plain:
                         delta = f'{{"content":{dumps(c.text)}}}' if c.text else "{}"
                     else:
-                        delta, finish_reason = self._tool_delta(tool_streams[c.index], c)
+                        delta, finish_reason = self._delta(choice_streams[c.index], c)
                     choices.append(
                         f'{{"index":{c.index},"delta":{delta}'
                         + choice_end(self.logprobs(c, 0), finish_reason, c.stop_reason)

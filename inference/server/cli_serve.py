@@ -34,10 +34,18 @@ import time
 from pathlib import Path
 
 from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
+from inference.chat_templates import CONTENT_FORMATS, load_chat_template
 from inference.config import EngineConfig, add_engine_args, engine_kwargs
 from inference.server.app import DEFAULT_MAX_BODY_BYTES
-from inference.server.serving import RequestLimits
+from inference.server.reasoning_parsers import REASONING_PARSERS
+from inference.server.serving import RequestLimits, ServingOptions
 from inference.server.tool_parsers import TOOL_PARSERS
+from inference.server.vllm_flags import (
+    IGNORED_DEST,
+    REFUSED_DEST,
+    add_foreign_flags,
+    normalize_flag_spelling,
+)
 
 logger = logging.getLogger("inference.server")
 
@@ -46,11 +54,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model",
         nargs="?",
-        default="default",
+        default=None,
         help="model folder, or 'default' (the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--model", dest="model_flag", default=None, help="the model, instead of the positional"
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    parser.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    parser.add_argument(
+        "--ssl-ca-certs", default=None, help="CA bundle to verify client certificates with"
+    )
+    parser.add_argument(
+        "--root-path", default="", help="path prefix a proxy strips before requests arrive"
+    )
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -116,12 +135,107 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the model's tool-call format: hermes (Hermes, Qwen) or llama3_json (Llama 3)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="return a thinking model's <think> text as reasoning_content, apart from content",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template file, or the template itself (default: the model's; for the "
+        "embedded model, a tool-capable version of its own)",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="message content as a string, or as OpenAI's list of parts (auto: what the "
+        "template reads)",
+    )
+    parser.add_argument(
+        "--response-role", default="assistant", help="the role name of chat replies"
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:N' (for tokens that are not valid text alone)",
+    )
+    parser.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=False,
+        help="log each request's prompt (cut to --max-log-len) and sampling parameters",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="do not log requests (the default)",
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="most prompt characters and token ids a request log line shows",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM compatibility: pagoda logs no periodic stats (see /metrics)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_foreign_flags(parser)
     # The engine's own flags, generated from EngineConfig (the model is the positional
     # argument above, and --served-model-name takes several names here).
     return add_engine_args(parser, exclude=("served_model_name",))
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``args.model`` from the positional or ``--model`` (vLLM takes either); ValueError
+    if both name different models."""
+    flag = getattr(args, "model_flag", None)
+    if flag is not None and args.model is not None and flag != args.model:
+        raise ValueError(f"two models given: {args.model!r} and --model {flag!r}")
+    args.model = flag or args.model or "default"
+
+
+def check_serve_args(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the server's own flags, one message each (empty: all good)."""
+    errors = [f"{line} (refused)" for line in getattr(args, REFUSED_DEST, [])]
+    for flag, value, minimum in (
+        ("--max-queue-len", args.max_queue_len, 1),
+        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+        ("--max-sequences-per-request", args.max_sequences_per_request, 1),
+        ("--max-log-len", args.max_log_len, 0),
+    ):
+        if value is not None and value < minimum:
+            errors.append(f"{flag} must be >= {minimum}")
+    if not args.engine_step_timeout > 0:
+        errors.append("--engine-step-timeout must be > 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        errors.append("--enable-auto-tool-choice needs --tool-call-parser")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        errors.append("--ssl-keyfile and --ssl-certfile go together")
+    return errors
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """How requests are rendered and logged; ValueError for a --chat-template that is
+    neither a file nor a template."""
+    return ServingOptions(
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        log_requests=args.log_requests,
+        max_log_len=args.max_log_len,
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        reasoning_parser=args.reasoning_parser,
+    )
 
 
 def _json_list(text: str) -> list[str]:
@@ -138,6 +252,7 @@ def _json_list(text: str) -> list[str]:
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
+    resolve_model_arg(args)
     if args.served_model_name:
         return list(args.served_model_name)
     from inference.model_files import _DEFAULT_ALIASES, DEFAULT_MODEL_NAME
@@ -162,12 +277,13 @@ def _model_source(args: argparse.Namespace) -> tuple[str, str | None, str]:
 
 
 def engine_config(args: argparse.Namespace, names: list[str]) -> EngineConfig:
+    resolve_model_arg(args)
     model, tokenizer, load_format = _model_source(args)
     given = engine_kwargs(args) | {"tokenizer": tokenizer, "load_format": load_format}
     return EngineConfig.from_kwargs(model, served_model_name=names[0], **given)
 
 
-def _curl_example(host: str, port: int, model: str, api_key: str | None) -> str:
+def _curl_example(scheme: str, host: str, port: int, model: str, api_key: str | None) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     auth = " -H 'Authorization: Bearer $PAGODA_API_KEY'" if api_key else ""
     body = (
@@ -175,7 +291,7 @@ def _curl_example(host: str, port: int, model: str, api_key: str | None) -> str:
         '"Write a haiku about Kubernetes."}], "max_tokens": 64}'
     )
     return (
-        f"curl -s http://{shown}:{port}/v1/chat/completions{auth} "
+        f"curl -s {scheme}://{shown}:{port}/v1/chat/completions{auth} "
         f"-H 'Content-Type: application/json' -d '{body}'"
     )
 
@@ -219,27 +335,22 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for flag, value, minimum in (
-        ("--max-queue-len", args.max_queue_len, 1),
-        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
-        ("--max-sequences-per-request", args.max_sequences_per_request, 1),
-    ):
-        if value is not None and value < minimum:
-            print(f"error: {flag} must be >= {minimum}", file=sys.stderr)
-            return 2
-    if not args.engine_step_timeout > 0:
-        print("error: --engine-step-timeout must be > 0", file=sys.stderr)
+    errors = check_serve_args(args)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    if errors:
         return 2
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
-        return 2
+    for line in getattr(args, IGNORED_DEST, []):
+        logger.info("%s (no effect)", line)
     # The engine runs in its own process, but the thread that reads its step messages shares
     # the GIL with the event loop: when it wakes up while the loop is busy writing streams,
     # it waits up to one switch interval, and CPython's default of 5 ms exceeds a decode step.
     sys.setswitchinterval(0.001)
-    names = served_names(args)
     try:
+        resolve_model_arg(args)
+        names = served_names(args)
         config = engine_config(args, names)
+        options = serving_options(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -282,17 +393,23 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        options=options,
+        root_path=args.root_path,
     )
     uv_config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         access_log=not args.disable_uvicorn_access_log,
         # The drain has waited for the requests already; this bounds slow clients only.
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
     server = _make_server(uv_config, engine, args.shutdown_grace_seconds)
-    example = _curl_example(args.host, args.port, names[0], args.api_key)
+    scheme = "https" if args.ssl_certfile else "http"
+    example = _curl_example(scheme, args.host, args.port, names[0], args.api_key)
     threading.Thread(
         target=_watch_engine, args=(engine, server, example), name="ready-watch", daemon=True
     ).start()
@@ -327,7 +444,8 @@ def _make_server(config, engine, grace_s: float):
             loop = self.loop
             if self.draining or loop is None or not engine.loaded:
                 if self.draining and loop is not None:  # abort what is left, now
-                    loop.call_soon_threadsafe(asyncio.ensure_future, engine.drain(0))
+                    logger.info("second signal: stopping now")
+                    loop.call_soon_threadsafe(asyncio.ensure_future, engine.drain(0, now=True))
                 super().handle_exit(sig, frame)
                 return
             self.draining = True
@@ -344,7 +462,8 @@ def _make_server(config, engine, grace_s: float):
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_serve_args(argparse.ArgumentParser(prog="pagoda serve"))
-    return run_serve(parser.parse_args(argv))
+    return run_serve(parser.parse_args(normalize_flag_spelling(sys.argv[1:] if argv is None
+                                                               else argv)))
 
 
 if __name__ == "__main__":

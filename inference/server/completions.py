@@ -29,7 +29,6 @@ from inference.server.serving import (
     clamp_logprob,
     collect,
     engine_error,
-    token_text,
     top_logprobs,
     until_disconnected,
     usage,
@@ -203,17 +202,16 @@ class _CompletionView:
     ) -> dict[str, list]:
         """OpenAI's logprobs object for these tokens; a token without an entry (a prompt's
         first) gets null logprobs, as in vLLM."""
-        tokenizer = self.serving.tokenizer
         limit = max(self.req.logprobs or 0, 1)
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries, strict=False):
             chosen = entry.get(token_id) if entry is not None else None
-            text = token_text(tokenizer, token_id, chosen)
+            text = self.serving.token_text(token_id, chosen)
             tokens.append(text)
             token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
             tops.append(
                 None if entry is None else {
-                    token_text(tokenizer, tid, lp): clamp_logprob(lp.logprob)
+                    self.serving.token_text(tid, lp): clamp_logprob(lp.logprob)
                     for tid, lp in top_logprobs(entry, limit)
                 }
             )  # fmt: skip

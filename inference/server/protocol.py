@@ -170,7 +170,7 @@ class CompletionRequest(_SamplingFields):
     # 0 with echo: score the prompt only (its logprobs), as lm-eval-harness does.
     max_tokens: int | None = Field(16, ge=0, le=_INT64_MAX)
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (400 above)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
@@ -224,7 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT64_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (400 above)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
@@ -260,15 +260,22 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect; text parts are joined. An
+def message_dicts(
+    messages: list[ChatMessage], content_format: str = "string"
+) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect; text parts are joined
+    (``content_format`` "string") or kept as OpenAI's list of parts ("openai"). An
     assistant's tool calls keep their ids, and their arguments become objects (templates
     render them with ``tojson``), as vLLM passes them; a tool message keeps the id of the
     call it answers."""
     result = []
     for message in messages:
-        content = message.content
-        if isinstance(content, list):
+        content: Any = message.content
+        if isinstance(content, str) and content_format == "openai":
+            content = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and content_format == "openai":
+            content = [{"type": "text", "text": part.text} for part in content]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:

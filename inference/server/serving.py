@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -33,8 +34,10 @@ from inference.outputs import Logprob, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams, StructuredOutputsParams
 from inference.server.errors import APIError
 from inference.server.protocol import _SamplingFields
+from inference.server.structured import requested_structured_outputs
 
 T = TypeVar("T")
+logger = logging.getLogger("inference.server.requests")
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this value.
 MIN_LOGPROB = -9999.0
@@ -51,6 +54,23 @@ class RequestLimits:
     # prompts x n: each is a sequence the engine runs (1,000 prompts x n=8 would hold it
     # for minutes while every other client waits).
     max_sequences_per_request: int = 1024
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """How requests are rendered and logged (vLLM's flags of the same names)."""
+
+    response_role: str = "assistant"  # --response-role: the role of the reply
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # --max-log-len: prompt characters and ids logged
+    chat_template: str | None = None  # --chat-template, resolved to its text
+    chat_template_content_format: str = "auto"  # string | openai | auto
+    reasoning_parser: str | None = None  # --reasoning-parser
+
+
+# The name the CLI and README use for whatever model is served: accepted in "model".
+DEFAULT_MODEL_ALIAS = "default"
 
 
 class TokenizerPool:
@@ -78,6 +98,7 @@ class ClientDisconnected(Exception):
 class PreparedPrompt:
     text: str | None  # the prompt as text, for echo; None if the client sent token ids
     token_ids: list[int]
+    warnings: list[str] = field(default_factory=list)  # for the response's Warning header
 
 
 class OpenAIServing:
@@ -88,11 +109,13 @@ class OpenAIServing:
         *,
         limits: RequestLimits | None = None,
         tokenizer_pool: TokenizerPool | None = None,
+        options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits or RequestLimits()
         self.tokenizer_pool = tokenizer_pool or TokenizerPool()
+        self.options = options or ServingOptions()
 
     @property
     def model_name(self) -> str:
@@ -110,6 +133,8 @@ class OpenAIServing:
         return int(self.engine.config.max_model_len)
 
     def check_model(self, model: str | None) -> None:
+        if model == DEFAULT_MODEL_ALIAS:
+            return
         if model and model not in self.served_model_names:
             raise APIError(
                 404,
@@ -172,6 +197,14 @@ class OpenAIServing:
             raise APIError(503, str(exc)) from exc
         return int(info.vocab_size or len(info.tokenizer))
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation config (--generation-config)."""
+        try:
+            return self.engine.engine.generation_defaults
+        except EngineNotReadyError as exc:
+            raise APIError(503, str(exc)) from exc
+
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         limit = self.max_model_len
         if num_prompt_tokens == 0:
@@ -184,8 +217,11 @@ class OpenAIServing:
                 param="prompt",
                 code="context_length_exceeded",
             )
+        # The generation config's max_new_tokens caps every request, as in vLLM.
+        default = self.generation_defaults.get("max_tokens")
         if max_tokens is None:
-            return limit - num_prompt_tokens
+            room = limit - num_prompt_tokens
+            return room if default is None else min(room, default)
         if num_prompt_tokens + max_tokens > limit:
             raise APIError(
                 400,
@@ -196,7 +232,7 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return max_tokens
+        return max_tokens if default is None else min(max_tokens, default)
 
     def logit_bias(self, req: _SamplingFields) -> dict[int, float] | None:
         if not req.logit_bias:
@@ -224,19 +260,21 @@ class OpenAIServing:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if structured is None:
             structured = requested_structured_outputs(req)
-        top_k = req.top_k or 0
+        self.check_logprobs(logprobs)
+        sampling = self.sampling_defaults(req)
+        top_k = sampling["top_k"]
         if top_k >= self.vocab_size:
             top_k = 0  # keeping every token is the same as no top-k
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
                 top_k=top_k,
-                min_p=req.min_p or 0.0,
+                min_p=sampling["min_p"],
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                repetition_penalty=sampling["repetition_penalty"],
                 seed=req.seed,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -252,6 +290,36 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
+    def sampling_defaults(self, req: _SamplingFields) -> dict[str, Any]:
+        """The request's sampling values; those it leaves out come from the generation
+        config's defaults, else the engine's (as vLLM)."""
+        defaults = self.generation_defaults
+        values = {}
+        for name, fallback in _SAMPLING_FALLBACKS.items():
+            given = getattr(req, name)
+            values[name] = given if given is not None else defaults.get(name, fallback)
+        values["top_k"] = values["top_k"] or 0
+        return values
+
+    def check_logprobs(self, logprobs: int | None) -> None:
+        limit = int(self.engine.config.max_logprobs)
+        if logprobs is not None and 0 <= limit < logprobs:
+            param = self.logprobs_param
+            raise APIError(
+                400,
+                f"{param}={logprobs} exceeds this server's limit of {limit} (--max-logprobs)",
+                param=param,
+            )
+
+    logprobs_param = "logprobs"  # the request field that asks for logprobs
+
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        """A logprob entry's token: its text, or ``token_id:N`` with
+        --return-tokens-as-token-ids (as vLLM, for tokens that are not valid UTF-8 alone)."""
+        if self.options.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return token_text(self.tokenizer, token_id, logprob)
+
     # ----- running requests -------------------------------------------------------------
 
     def new_request_id(self, prefix: str, raw: Request) -> str:
@@ -265,6 +333,8 @@ class OpenAIServing:
         """Per-step deltas of all prompts as ``(prompt_index, output)``, interleaved as
         produced: each output holds only what is new (``AsyncLLMEngine.generate(delta=True)``)."""
         arrival = time.time()
+        if self.options.log_requests:
+            self.log_request(request_id, prompts, params)
         generate = self.engine.generate
         if len(prompts) == 1:
             return _tag(generate(prompts[0].token_ids, params, request_id, arrival, delta=True))
@@ -273,6 +343,23 @@ class OpenAIServing:
             for i, p in enumerate(prompts)
         ]
         return _merge(streams)
+
+    def log_request(
+        self, request_id: str, prompts: list[PreparedPrompt], params: SamplingParams
+    ) -> None:
+        """One line per request (--enable-log-requests): its prompt text and token ids,
+        each cut to --max-log-len, and its sampling parameters."""
+        limit = self.options.max_log_len
+        for i, prompt in enumerate(prompts):
+            text, ids = prompt.text, prompt.token_ids
+            if limit is not None:
+                text = text[:limit] if text is not None else None
+                ids = ids[:limit]
+            suffix = f"-{i}" if len(prompts) > 1 else ""
+            logger.info(
+                "received request %s%s: prompt: %r, prompt_token_ids: %s, params: %s",
+                request_id, suffix, text, ids, params,
+            )
 
     async def first_output(
         self, raw: Request, stream: AsyncIterator[tuple[int, RequestOutput]]
@@ -288,52 +375,10 @@ class OpenAIServing:
             raise
 
 
-_GUIDED_FIELDS = {
-    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-    "guided_grammar": "grammar",
+# What a request's sampling field is when neither it nor the generation config sets it.
+_SAMPLING_FALLBACKS = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
 }  # fmt: skip
-
-
-def requested_structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
-    """The one constraint a request asks for through ``response_format``,
-    ``structured_outputs`` or a ``guided_*`` field (400 if more than one, or malformed).
-    Whether the schema or grammar itself is valid, the engine decides (also a 400)."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        found.append(("response_format", {"json_object": True}))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(
-                400, "response_format of type json_schema needs json_schema.schema",
-                param="response_format",
-            )
-        found.append(("response_format", {"json": fmt.json_schema.schema_}))
-    so = req.structured_outputs
-    if so is not None:
-        fields = {
-            "json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-            "json_object": so.json_object, "disable_any_whitespace": so.disable_any_whitespace,
-        }  # fmt: skip
-        found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
-    for name, kind in _GUIDED_FIELDS.items():
-        value = getattr(req, name)
-        if value is not None:
-            found.append((name, {kind: value}))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise APIError(
-            400, f"give at most one structured-output constraint; got {names}",
-            param=found[1][0],
-        )
-    name, fields = found[0]
-    try:
-        return StructuredOutputsParams(**fields)
-    except ValueError as exc:
-        raise APIError(400, f"{name}: {exc}", param=name) from exc
-
 
 async def _tag(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
     try:

@@ -159,3 +159,34 @@ def test_engine_process_exits_when_the_server_is_killed(tiny_model):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=30)
+
+
+def test_a_second_sigterm_stops_now_and_says_so(tmp_path):
+    build_tiny_model(tmp_path, "llama", max_position_embeddings=8192)
+    proc, base_url = start_subprocess_server(
+        str(tmp_path), "--num-kv-blocks", "600", "--max-model-len", "8192",
+        "--shutdown-grace-seconds", "120",
+    )  # fmt: skip
+    try:
+        body = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+        result: dict = {}
+        first_chunk = threading.Event()
+        client = threading.Thread(target=stream_completion,
+                                  args=(base_url, body, result, first_chunk))
+        client.start()
+        assert first_chunk.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # draining: the request runs on
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - started < 30, "the second signal did not stop it at once"
+        client.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate(timeout=10)[0]
+    assert "second signal: stopping now" in output
+    assert "grace period (0 s)" not in output
+    error = result["chunks"][-1]["error"]
+    assert "second shutdown signal" in error["message"], error
