@@ -14,6 +14,7 @@ from pagoda_operator.tuning.policy import (
     Snapshot,
     decide,
 )
+from pagoda_operator.tuning.state import TunerState
 
 WINDOW_S = 60.0
 COOLDOWN_S = 300.0
@@ -75,7 +76,10 @@ OOM = window(oom_kills=1.0, restarts=1.0)
 
 @dataclasses.dataclass
 class Run:
-    """Feeds windows to ``decide`` one interval apart, applying changes as Auto would."""
+    """Feeds windows to ``decide`` one interval apart, applying changes as Auto would.
+
+    ``state`` is kept as ``status.tuning.state`` holds it, read and written back each
+    window as the operator does, so every run also checks that the state survives it."""
 
     settings: dict[str, float]
     limits: Limits
@@ -86,16 +90,17 @@ class Run:
 
     def step(self, snapshot: Snapshot | None, *, rollout_complete: bool = True) -> Decision:
         self.now += WINDOW_S
-        decision, self.state = decide(
+        decision, state = decide(
             snapshot,
             self.settings,
             self.limits,
-            self.state,
+            TunerState.from_status(self.state),
             now=self.now,
             mode=self.mode,
             rollout_complete=rollout_complete,
             problem="Prometheus unreachable",
         )
+        self.state = state.to_status()
         if self.mode == "Auto" and decision.action in ("change", "revert"):
             assert decision.knob is not None and decision.new is not None
             self.settings = {**self.settings, decision.knob: decision.new}

@@ -10,6 +10,7 @@ from pagoda_operator.tuning.policy import (
     REPLICAS,
     decide,
 )
+from pagoda_operator.tuning.state import TunerState
 
 from .policy_cases import (
     COOLDOWN_S,
@@ -734,7 +735,7 @@ def test_one_knob_per_decision_even_when_several_rules_fire() -> None:
 
 
 def test_decide_does_not_modify_its_inputs() -> None:
-    state = {"streaks": {"overload": 5}, "rejected": [], "lastMove": {}}
+    state = TunerState.from_status({"streaks": {"overload": 5}, "rejected": [], "lastMove": {}})
     current = settings()
     before = (repr(state), repr(current))
     decide(QUEUED_WITH_FREE_KV, current, limits(), state, now=1.0, mode="Auto")

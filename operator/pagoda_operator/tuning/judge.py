@@ -19,14 +19,14 @@ from pagoda_operator.tuning.model import (
     Snapshot,
     direction,
     fmt,
-    record_move,
 )
+from pagoda_operator.tuning.state import Ban, Pending, TunerState
 
 
 def watch_pending(
     snapshot: Snapshot | None,
     limits: Limits,
-    state: dict[str, Any],
+    state: TunerState,
     now: float,
     rollout_complete: bool,
     config: PolicyConfig,
@@ -34,57 +34,57 @@ def watch_pending(
     """A hold while the change is still rolling out or settling; otherwise its verdict
     (a revert Decision when its rollout failed or it made things worse, a "kept" string
     when not). Without a snapshot only the rollout deadline can be judged."""
-    pending = state["pending"]
-    change = f"{pending['knob']} {fmt(pending['from'])} -> {fmt(pending['to'])}"
+    pending = state.pending
+    assert pending is not None
+    change = f"{pending.knob} {fmt(pending.from_)} -> {fmt(pending.to)}"
     if not rollout_complete or snapshot is None:
-        pending["settledTime"] = None
+        pending.settled_time = None
         failure = _rollout_failure(pending, snapshot, limits, now)
         if failure is not None:
             return revert(state, f"reverted {change}: {failure}", now, limits, config)
         return Decision("hold", f"waiting for the rollout of {change}")
     # Written as None while the rollout ran, so absent from the stored state: in a merge
     # patch of the status (RFC 7386) a null removes its key.
-    settled = pending.get("settledTime")
+    settled = pending.settled_time
     if settled is None:
-        pending["settledTime"] = settled = now
+        pending.settled_time = settled = now
     if now - settled < snapshot.window_s:
         return Decision("hold", f"watching the first full window after {change}")
     worse = _made_worse(pending, snapshot, limits, config)
     if worse is None:
-        state["pending"] = None
-        return f"kept {change}: {_outcome_summary(pending['baseline'], snapshot)}"
+        state.pending = None
+        return f"kept {change}: {_outcome_summary(pending.baseline, snapshot)}"
     return revert(state, f"reverted {change}: {worse}", now, limits, config)
 
 
 def revert(
-    state: dict[str, Any], reason: str, now: float, limits: Limits, config: PolicyConfig
+    state: TunerState, reason: str, now: float, limits: Limits, config: PolicyConfig
 ) -> Decision:
     """Undoes the pending change and bans its value for ``reject_cooldowns`` cooldowns."""
-    pending, state["pending"] = state["pending"], None
-    knob, old, new = pending["knob"], pending["to"], pending["from"]
-    state["rejected"].append(
-        {"knob": knob, "value": old, "direction": direction(new, old),
-         "until": now + config.reject_cooldowns * limits.cooldown_s}
-    )  # fmt: skip
-    record_move(state, knob, old, new, now)
+    pending, state.pending = state.pending, None
+    assert pending is not None
+    knob, old, new = pending.knob, pending.to, pending.from_
+    until = now + config.reject_cooldowns * limits.cooldown_s
+    state.rejected.append(Ban(knob, old, direction(new, old), until))
+    state.record_move(knob, old, new, now)
     return Decision("revert", reason, knob, old, new, verdict=reason)
 
 
 def _rollout_failure(
-    pending: dict[str, Any], snapshot: Snapshot | None, limits: Limits, now: float
+    pending: Pending, snapshot: Snapshot | None, limits: Limits, now: float
 ) -> str | None:
     """Why the rollout of the pending change has failed, or None while it may still finish."""
     restarts = None if snapshot is None else snapshot.restarts
     if restarts:
         return f"{fmt(restarts)} engine restarts while it rolled out"
-    elapsed = now - pending["time"]
+    elapsed = now - pending.time
     if elapsed > limits.rollout_deadline_s:
         return f"rollout not complete {elapsed:.0f}s after the change (deadline {limits.rollout_deadline_s:g}s)"
     return None
 
 
 def _made_worse(
-    pending: dict[str, Any], snapshot: Snapshot, limits: Limits, config: PolicyConfig
+    pending: Pending, snapshot: Snapshot, limits: Limits, config: PolicyConfig
 ) -> str | None:
     """Why the window after the change is worse than the one before it, or None.
 
@@ -94,13 +94,13 @@ def _made_worse(
     OOM kills, preemptions or a throughput loss; removing a replica can break the SLO.
 
     Rates are compared per engine: a change rolled out on engines added to cover it (see
-    ``policy._cover_engines``) is judged against the window before they came, and the
+    ``cover.cover_engines``) is judged against the window before they came, and the
     added engines must not pass for what the new value serves.
     """
-    baseline = pending["baseline"]
+    baseline = pending.baseline
     per_engine = max(snapshot.pods, 1) / max(baseline.get("pods") or snapshot.pods, 1)
-    raised = pending["to"] > pending["from"]
-    if pending["knob"] == REPLICAS:
+    raised = pending.to > pending.from_
+    if pending.knob == REPLICAS:
         return None if raised else _latency_regression(baseline, snapshot, limits, config)
     if not raised:
         return None

@@ -145,13 +145,8 @@ class Proposal:
     new: float
     reason: str
     # Engines to add, and have Ready, before this engine-knob change rolls out, so that as
-    # many serve through its rollout as before it (see policy._cover_engines).
+    # many serve through its rollout as before it (see cover.cover_engines).
     cover: int = 0
-
-
-def record_move(state: dict[str, Any], knob: str, old: float, new: float, now: float) -> None:
-    state["lastChangeTime"] = now
-    state["lastMove"][knob] = {"direction": direction(old, new), "time": now}
 
 
 def direction(old: float, new: float) -> int:

@@ -37,6 +37,7 @@ from pagoda_operator.tuning.record import (
     metrics_condition,
     tuning_status,
 )
+from pagoda_operator.tuning.state import TunerState
 
 INTERVAL_ENV = "PAGODA_TUNING_INTERVAL_SECONDS"
 WINDOW_ENV = "PAGODA_TUNING_WINDOW_SECONDS"
@@ -141,10 +142,9 @@ def decide_window(llmd: dict[str, Any], observation: Observation, now: float) ->
     previous = status.get("tuning") or {}
     recorded = recorded_overrides(llmd)
     overrides, dropped = overrides_in_force(spec, llmd)
-    state = previous.get("state")
-    pending = (state or {}).get("pending")
-    if pending and pending.get("knob") in dropped:
-        state = {**state, "pending": None}  # the user's value replaced the change under watch
+    state = TunerState.from_status(previous.get("state"))
+    if state.pending is not None and state.pending.knob in dropped:
+        state.pending = None  # the user's value replaced the change under watch
     settings, limits = current_settings(effective_spec(llmd)), limits_from_spec(spec)
     decision, state = decide(
         observation.snapshot,
@@ -163,7 +163,7 @@ def decide_window(llmd: dict[str, Any], observation: Observation, now: float) ->
     tuning, events = tuning_status(
         previous,
         decision,
-        state,
+        state.to_status(),
         mode=mode,
         now=stamp,
         snapshot=observation.snapshot,
@@ -172,8 +172,8 @@ def decide_window(llmd: dict[str, Any], observation: Observation, now: float) ->
     )
     tuning["overrides"] = overrides_patch(recorded, overrides) or None
     tuning["banned"] = [
-        {"knob": ban["knob"], "value": ban["value"], "until": _rfc3339(ban["until"])}
-        for ban in state["rejected"]
+        {"knob": ban.knob, "value": ban.value, "until": _rfc3339(ban.until)}
+        for ban in state.rejected
     ] or None
     events = [
         ("Normal", "TuningOverrideReset", f"{knob}: {why}; the tuner's "
