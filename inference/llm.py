@@ -37,8 +37,9 @@ class LLM:
     def shutdown(self) -> None:
         """Release the engine: its worker processes (tensor parallel), weights, KV cache
         and CUDA graphs, so that another ``LLM`` can use the memory; later calls raise
-        RuntimeError. Also on ``with LLM(...)`` exit, garbage collection and interpreter
-        exit; safe to call more than once."""
+        RuntimeError. Also on ``with LLM(...)`` exit; safe to call more than once. An LLM
+        that is garbage collected only lets go of its engine, which releases itself once
+        nothing else holds it."""
         engine = getattr(self, "engine", None)
         if engine is None:
             return
@@ -62,7 +63,9 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
-        self.shutdown()
+        # Only this LLM's reference goes: code may still hold ``llm.engine`` (the engine
+        # releases itself once nothing does). ``shutdown()`` is the explicit release.
+        self.engine = None
 
     def get_tokenizer(self):
         return self._engine.tokenizer

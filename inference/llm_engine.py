@@ -450,6 +450,12 @@ class LLMEngine:
         if reason is not None:
             raise RuntimeError(reason)
 
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
+
     def shutdown(self) -> None:
         """Release the model: stops tensor-parallel workers, and drops the weights, KV
         cache and graphs held here (their memory goes back once collected). Safe to call
