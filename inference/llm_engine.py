@@ -528,6 +528,7 @@ class LLMEngine:
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        spec = self.spec_decoder.counters if self.spec_decoder is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting)
@@ -540,6 +541,11 @@ class LLMEngine:
             prefix_cache_hits_total=bm.prefix_cache_hits,
             prompt_tokens_total=self.output_processor.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
+            spec_decode_num_drafts_total=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos_total=(
+                tuple(spec.accepted_per_position) if spec else ()),
         )
 
 
