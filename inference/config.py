@@ -20,6 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from inference.quantization import QUANTIZATION_METHODS, resolve_quantization
+from inference.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from inference.models.config import ModelConfig
@@ -113,6 +114,12 @@ class EngineConfig:
     override_generation_config: str | None = field(
         default=None, metadata=_flag(
             'a JSON object over those defaults, e.g. \'{"temperature": 0.5}\''))
+    speculative_config: str | None = field(
+        default=None, metadata=_flag(
+            'speculative decoding, a JSON object as vLLM\'s: \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+            "(n-gram prompt lookup; optional disable_by_batch_size, default 32: no drafts "
+            "in steps with more running sequences)"))
     max_logprobs: int = field(
         default=20, metadata=_flag("most logprobs (and top_logprobs) a request may ask for; "
                                    "-1: no limit"))
@@ -173,6 +180,10 @@ class EngineConfig:
             raise ValueError("override_generation_config must be a JSON object, got "
                              f"{value!r}")
         return parsed
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` (JSON text or a dict) parsed; None when off."""
+        return parse_speculative_config(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
@@ -268,6 +279,10 @@ class EngineConfig:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.override_generation_dict()  # malformed JSON fails here, not at the first request
+        if self.speculative() is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config with tensor_parallel_size > 1 is not supported yet: "
+                "speculative decoding runs on one GPU (or CPU)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,12 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding (zero when off): sequences x steps that verified drafts, the
+    # drafts, the accepted ones, and the accepted ones by position (0 = first draft).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos_total: tuple[int, ...] = ()
 
 
 @dataclass

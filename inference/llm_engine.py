@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from inference.output_processor import OutputProcessor, RequestState
 from inference.outputs import RequestOutput
 from inference.sampler import (
     PromptLogprobsRequest,
+    RowLogprobs,
     SamplerOutput,
     SamplingMetadata,
     has_penalties,
@@ -55,6 +57,7 @@ from inference.sampler import (
 from inference.sampling_params import SamplingParams, check_max_logprobs
 from inference.scheduler import ScheduledBatch, Scheduler
 from inference.sequence import Sequence
+from inference.spec_decode.drafting import SpecDecoder, VerifiedTokens
 from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -77,13 +80,21 @@ class _LaunchedStep:
     # tokens (``LLMEngine._advance_grammars``: from the next step's mask fill or from
     # ``_complete``, whichever comes first).
     grammar_ended: dict[int, bool] | None = None
+    # Speculative decoding: turns the samples of a step that verified drafts (one per
+    # position) into one first token per sequence (``extra``: the accepted ones after it).
+    split: Callable[[SamplerOutput], VerifiedTokens] | None = None
+    extra: list[list[tuple[int, RowLogprobs | None]]] | None = None
     _output: SamplerOutput | None = None
     _read: bool = False
 
     def result(self) -> SamplerOutput | None:
-        """The step's sampled tokens (waits for the device once)."""
+        """The step's sampled tokens, one per sampled sequence (waits for the device
+        once)."""
         if not self._read:
             self._output, self._read = self.handle.result(), True
+            if self.split is not None and self._output is not None:
+                verified = self.split(self._output)
+                self._output, self.extra = verified.first, verified.extra
         return self._output
 
 
@@ -129,6 +140,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
+        speculative = config.speculative()
+        # Speculative decoding (n-gram): proposes drafts before each step is scheduled.
+        self.spec_decoder = SpecDecoder(speculative) if speculative is not None else None
+        if speculative is not None:
+            logger.info("speculative decoding: %s", speculative.summary())
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, config.max_model_len
         )
@@ -324,6 +340,8 @@ class LLMEngine:
         if self._awaiting_grammar:
             self._admit_grammar_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.spec_decoder is not None:
+            self._propose_drafts(outputs)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         previous, self._in_flight = self._in_flight, launched
@@ -334,20 +352,36 @@ class LLMEngine:
             self._complete(launched, outputs)
         return outputs
 
+    def _propose_drafts(self, outputs: list[RequestOutput]) -> None:
+        """Drafts need every token known: where this step may speculate, the step in
+        flight completes first (speculation and async overlap trade; above the batch
+        size where drafts stop, steps overlap as usual)."""
+        running = self.scheduler.running
+        if self._in_flight is not None and self.spec_decoder.may_draft(len(running)):
+            previous, self._in_flight = self._in_flight, None
+            self._complete(previous, outputs)
+        self.spec_decoder.propose(running)
+
     def _launch(self, batch: ScheduledBatch) -> _LaunchedStep:
         now = time.time()
         seqs, counts = batch.seqs, batch.num_new_tokens
         self.computed_tokens_total += batch.num_batched_tokens
         sample_rows = batch.sample_rows
         sampled_seqs = [seqs[row] for row in sample_rows]
-        sampling = self._sampling_metadata(sampled_seqs)
+        drafts = [list(s.draft_token_ids) for s in sampled_seqs]
+        speculating = any(drafts)
+        sampling = self._sampling_metadata(sampled_seqs, drafts if speculating else None)
         if self._unscored:
             sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts, self._unscored)
         constrained = [row for row, s in enumerate(sampled_seqs) if s.grammar is not None]
         if constrained:
+            if speculating:  # rows of the expanded sampling metadata (never drafted)
+                first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts])
+                sampling.bitmask_rows = [int(first_rows[row]) for row in constrained]
             # Filled once this step's forward pass is queued (``SamplingMetadata``), after
             # the step in flight's tokens have advanced the matchers.
-            sampling.bitmask_rows = constrained
+            else:
+                sampling.bitmask_rows = constrained
             sampling.fill_token_bitmask = partial(
                 self._fill_bitmask, self._in_flight,
                 [sampled_seqs[row].grammar for row in constrained],
@@ -355,9 +389,15 @@ class LLMEngine:
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         positions = self.scheduler.on_step_launched(batch, now)
-        needs_sync = any(has_penalties(s.params) for s in sampled_seqs)
+        # A step that verifies drafts completes before the next is scheduled: how many
+        # tokens each row gains is known only then.
+        needs_sync = speculating or any(has_penalties(s.params) for s in sampled_seqs)
+        split = None
+        if speculating:
+            split = partial(self.spec_decoder.split, seqs=sampled_seqs, drafts=drafts)
         return _LaunchedStep(
-            handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained)
+            handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained),
+            split=split,
         )
 
     def _fill_bitmask(self, in_flight: _LaunchedStep | None, matchers: list) -> np.ndarray:
@@ -401,10 +441,18 @@ class LLMEngine:
             if seq.is_finished:
                 continue  # aborted, or stopped by an earlier token while this step ran
             request = self.requests[seq.request_id]
-            if processor.process_token(
+            finished = processor.process_token(
                 request, seq, sampled.token_ids[i], sampled.logprobs[i], now,
                 grammar_ended.get(i, False),
-            ):  # fmt: skip
+            )  # fmt: skip
+            # Accepted drafts, one at a time, as if each had been its own step: a stop
+            # (EOS, stop string, max_tokens) ends the sequence there.
+            for token_id, row_logprobs in step.extra[i] if step.extra else ():
+                if finished:
+                    break
+                self.scheduler.on_draft_accepted(seq, token_id)
+                finished = processor.process_token(request, seq, token_id, row_logprobs, now)
+            if finished:
                 self.scheduler.finish(seq)
             touched[request.request_id] = request
         for request in touched.values():
@@ -420,26 +468,35 @@ class LLMEngine:
         if output.finished:
             self.requests.pop(request.request_id, None)
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, seqs: list[Sequence], drafts: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """One row per sequence; with ``drafts``, one per position each verifies (its
+        drafts' and one more), the j-th counting j more output tokens (min_tokens)."""
+        if drafts is not None:
+            expanded = [(s, j) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        else:
+            expanded = [(s, 0) for s in seqs]
         # Token histories only for rows whose sampling reads them (penalties, min_tokens):
         # copying every sequence's tokens every step would cost more than the step.
         prompts, outputs, counts = [], [], []
-        for seq in seqs:
+        for seq, offset in expanded:
             p = seq.params
             penalized = (
                 p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
             )
             # Pending placeholders count towards min_tokens; penalised rows have none (their
             # steps complete before the next is scheduled).
-            counts.append(seq.num_tokens - seq.num_prompt_tokens)
+            counts.append(seq.num_tokens - seq.num_prompt_tokens + offset)
             prompts.append(seq.prompt_token_ids if p.repetition_penalty != 1.0 else [])
             outputs.append(seq.output_token_ids if penalized else [])
         return SamplingMetadata(
-            params=[s.params for s in seqs],
+            params=[s.params for s, _ in expanded],
             prompt_token_ids=prompts,
             output_token_ids=outputs,
             num_output_tokens=counts,
-            generators=[s.generator for s in seqs],
+            generators=[s.generator for s, _ in expanded],
+            draft_token_ids=drafts,
         )
 
     # -- lifecycle and health -----------------------------------------------------------
@@ -477,6 +534,7 @@ class LLMEngine:
     # -- observability -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        spec = self.spec_decoder.counters if self.spec_decoder is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting)
@@ -489,6 +547,11 @@ class LLMEngine:
             prefix_cache_hits_total=bm.prefix_cache_hits,
             prompt_tokens_total=self.output_processor.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
+            spec_decode_num_drafts_total=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos_total=(
+                tuple(spec.accepted_per_position) if spec else ()),
         )
 
 

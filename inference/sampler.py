@@ -27,6 +27,7 @@ import torch
 
 import kernels
 from inference.sampling_params import SamplingParams
+from inference.spec_decode.rejection import accept_or_residual, flat_drafts
 
 # Columns of the per-row scalar table built once per step (one host-to-device copy).
 _TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _GREEDY = range(8)
@@ -75,6 +76,10 @@ class SamplingMetadata:
     token_bitmask: np.ndarray | None = None
     bitmask_rows: list[int] | None = None
     fill_token_bitmask: Callable[[], np.ndarray] | None = None
+    # Speculative decoding: per sampled row, the drafts its query verifies. The other
+    # per-row lists then hold one entry per expanded row (each draft's position, then one
+    # more: ``inference.spec_decode.rejection``); None: one position per row.
+    draft_token_ids: list[list[int]] | None = None
 
     def resolve_token_bitmask(self) -> np.ndarray | None:
         if self.fill_token_bitmask is not None:
@@ -393,6 +398,7 @@ def _sample_random_rows(
     scalars: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    drafts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     vocab_size = logits.shape[-1]
     sampling = [not p.greedy for p in params]
@@ -406,7 +412,13 @@ def _sample_random_rows(
         min_p=scalars[:, _MIN_P] if any(p.min_p > 0.0 for p in live) else None,
         max_top_k=max(top_ks, default=None),
     )
-    return _exponential_race(logits.softmax(dim=-1), sampling, generators)
+    probs = logits.softmax(dim=-1)
+    if drafts is None:
+        return _exponential_race(probs, sampling, generators)
+    # Rejection sampling of the drafts: accepted ones stand, the others are resampled
+    # from what is left of the target's distribution.
+    accepted, residual = accept_or_residual(probs, drafts, generators, sampling)
+    return torch.where(accepted, drafts, _exponential_race(residual, sampling, generators))
 
 
 def _pack_logprobs(
@@ -539,7 +551,12 @@ class Sampler:
         if all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = _sample_random_rows(processed, scalars, params, metadata.generators)
+            drafts = None
+            if metadata.draft_token_ids is not None:
+                drafts = _to_device(flat_drafts(metadata.draft_token_ids), torch.int64,
+                                    logits.device)
+            token_ids = _sample_random_rows(
+                processed, scalars, params, metadata.generators, drafts)
             if any(p.greedy for p in params):
                 greedy_rows = scalars[:, _GREEDY] > 0
                 token_ids = torch.where(greedy_rows, processed.argmax(dim=-1), token_ids)

@@ -12,7 +12,15 @@ The scheduler also owns the state a step changes (vLLM V1's ``update_from_output
 phases because of async scheduling, where step n+1 is launched before step n's tokens are
 known: ``on_step_launched`` counts the batch's tokens as computed and gives each sampling
 row a placeholder for the token it will sample; ``on_step_finished`` puts the sampled ids
-in place of the placeholders. What a token means for its request (stop conditions, text,
+in place of the placeholders.
+
+Speculative decoding: a running sequence may carry draft tokens (``draft_token_ids``, set
+by the engine before ``schedule``). Its query is then its uncomputed token plus the
+drafts: the drafts take token budget and KV slots like any token, and the budget trims
+them first. At launch only the real token counts as computed; once the target has
+verified the drafts, ``on_draft_accepted`` appends each accepted token and counts the
+draft before it as computed. A rejected draft's KV slot lies past ``num_computed_tokens``:
+it is never hashed into the prefix cache and the next step writes over it. What a token means for its request (stop conditions, text,
 logprobs) is the output processor's; the engine hands the sequences that stopped back to
 ``finish``.
 """
@@ -70,7 +78,10 @@ class Scheduler:
             if seq.reached_max_tokens:
                 i += 1  # its final token is still on the device: it is about to finish
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_drafts = len(seq.draft_token_ids)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + num_drafts, budget)
+            if num_drafts and num_new < 1 + num_drafts:
+                del seq.draft_token_ids[max(num_new - 1, 0) :]
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,7 +116,7 @@ class Scheduler:
 
         batch.sample_rows = [
             row for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if seq.num_computed_tokens + n == seq.num_tokens
+            if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)
         ]  # fmt: skip
         return batch
 
@@ -116,7 +127,9 @@ class Scheduler:
         on the device), so the next step can be scheduled before the host knows its value.
         Returns where each placeholder sits in its sequence's ``token_ids``."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            # Drafts count as computed only once accepted (``on_draft_accepted``).
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
+            seq.draft_token_ids = []
             self.block_manager.cache_full_blocks(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -139,6 +152,14 @@ class Scheduler:
                 continue
             seq.resolve_placeholder(position, token_id)
             self.block_manager.cache_full_blocks(seq)
+
+    def on_draft_accepted(self, seq: Sequence, token_id: int) -> None:
+        """After ``on_step_finished`` put a verified step's first token in place: the
+        target's next token ``token_id`` follows an accepted draft, so that draft (the
+        token before it, whose KV the step wrote) is computed now."""
+        seq.token_ids.append(token_id)
+        seq.num_computed_tokens += 1
+        self.block_manager.cache_full_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -56,6 +56,10 @@ class Sequence:
     # Placeholders at the end of token_ids for tokens sampled on the device but not yet read
     # back (async scheduling); the model runner substitutes their values on the device.
     num_pending_tokens: int = field(init=False, default=0)
+    # Speculative decoding: tokens proposed to follow token_ids, for this step's query to
+    # verify. Never part of token_ids (nor hashed, nor output) until the target accepts
+    # them; set before a step is scheduled, cleared when it is launched.
+    draft_token_ids: list[int] = field(init=False, default_factory=list)
     # Structured outputs: the grammar matcher (llguidance), advanced with every known token.
     grammar: Any = field(init=False, default=None, repr=False)
     first_scheduled_time: float | None = field(init=False, default=None)
@@ -118,6 +122,7 @@ class Sequence:
         """Preemption by recompute: the KV cache forgets everything; tokens stay."""
         self.num_computed_tokens = 0
         self.num_published_blocks = 0
+        self.draft_token_ids = []
         self.block_table = []
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

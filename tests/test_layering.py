@@ -37,12 +37,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.quantization",),  # FP8 weights: their layout, filled from a checkpoint
     ("inference.layers",),  # attention metadata, embedding, rotary
     # a step's bookkeeping: batching and KV blocks; what the sampled tokens mean for requests
-    ("inference.scheduler", "inference.output_processor"),
+    ("inference.scheduler", "inference.output_processor", "inference.spec_decode"),
     ("inference.block_manager",),
     ("inference.sampler", "inference.structured_output", "inference.detokenizer"),
+    ("inference.spec_decode.rejection",),  # verifying drafts on the device
     ("inference.sequence",),
     ("inference.engine_messages",),  # engine process <-> server
     ("inference.config",),  # EngineConfig
+    ("inference.spec_decode.config",),  # speculative_config, parsed
     ("inference.quantization.__init__",),  # which quantization a checkpoint asks for
     (  # what a model is and where it comes from
         "inference.models.config", "inference.model_files", "inference.model_shapes",

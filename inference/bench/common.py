@@ -91,6 +91,17 @@ def add_engine_args(parser) -> None:
     add_output_args(parser)
 
 
+def spec_decode_summary(engine) -> dict:
+    """Speculative decoding's mean acceptance length (tokens per verifying step and
+    sequence: accepted drafts + the target's own) so far; {} when it is off."""
+    decoder = getattr(engine, "spec_decoder", None)
+    if decoder is None:
+        return {}
+    counters = decoder.counters
+    return {"mean_acceptance_length": round(counters.mean_acceptance_length, 3),
+            "spec_decode_num_drafts": counters.num_drafts}
+
+
 def add_output_args(parser) -> None:
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, metavar="DIR",

@@ -14,6 +14,7 @@ from inference.bench.common import (
     engine_kwargs,
     random_prompts,
     record,
+    spec_decode_summary,
     write_results,
 )
 from inference.model_shapes import resolve_shape_model
@@ -71,10 +72,14 @@ def run_latency(args: argparse.Namespace) -> int:
                                   tensor_parallel_size=llm.engine.config.tensor_parallel_size,
                                   quantization=llm.engine.config.quantization,
                                   kv_cache_dtype=llm.engine.config.kv_cache_dtype,
-                                  **result))
+                                  **result, **spec_decode_summary(llm.engine)))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
                   f"{result['output_tok_s']:9.0f} out tok/s")
+    spec = spec_decode_summary(llm.engine)
+    if spec:
+        print(f"speculative decoding: mean acceptance length "
+              f"{spec['mean_acceptance_length']:.2f}")
     write_results(args, results)
     return 0
 

@@ -13,6 +13,7 @@ from inference.bench.common import (
     engine_kwargs,
     random_prompts,
     record,
+    spec_decode_summary,
     write_results,
 )
 from inference.model_shapes import resolve_shape_model
@@ -61,10 +62,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         kv_cache_tokens=engine.num_total_blocks * engine.config.block_size,
         kv_cache_dtype=engine.config.kv_cache_dtype,
         engine="pagoda",
+        **spec_decode_summary(engine),
     )
     print(f"pagoda   {args.model}: {args.num_prompts} x {args.input_len}/{args.output_len}: "
           f"{result['output_tok_s']:.0f} output tok/s ({elapsed:.2f} s), "
-          f"KV {result['kv_cache_tokens']} tokens, start {startup_s:.1f} s")
+          f"KV {result['kv_cache_tokens']} tokens, start {startup_s:.1f} s"
+          + (f", mean acceptance length {result['mean_acceptance_length']:.2f}"
+             if "mean_acceptance_length" in result else ""))
     results = [result]
     if args.peer == "transformers":
         del llm, engine

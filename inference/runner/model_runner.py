@@ -37,6 +37,7 @@ from inference.sampler import (
     prompt_logprobs_to_host,
 )
 from inference.sequence import Sequence
+from inference.spec_decode.rejection import verify_rows
 from kernels._backend import kernel_for
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,10 @@ class ModelRunner:
     ) -> StepHandle:
         """The same from host arrays: what a tensor-parallel worker receives."""
         graphs = self.graphs
-        if graphs is not None and graphs.fits(inputs):
+        # A step that verifies drafts runs eagerly: its queries of k + 1 tokens are not
+        # among the captured decode shapes (graphs for it are future GPU work).
+        verifying = sampling.draft_token_ids is not None
+        if graphs is not None and not verifying and graphs.fits(inputs):
             hidden = graphs.run(inputs)
         else:
             input_ids, positions, meta = self._to_device(inputs)
@@ -275,6 +279,9 @@ class ModelRunner:
         if not sample_rows:
             return StepHandle(None, prompt_logprobs)
         last_rows = inputs.query_start_loc[1:][sample_rows] - 1
+        if verifying:  # every position of each row's drafts, and the one after them
+            num_drafts = np.fromiter(map(len, sampling.draft_token_ids), np.int64)
+            last_rows = verify_rows(last_rows, num_drafts)
         if len(last_rows) == inputs.num_seqs and inputs.max_query_len == 1:
             last_hidden = hidden  # pure decode, every row sampled: no gather
         else:
@@ -286,7 +293,8 @@ class ModelRunner:
             last_hidden = hidden[rows.to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(last_hidden)
         sampled = self.sampler.sample(logits, sampling)
-        self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
+        if not verifying:  # a verifying step completes before the next is built
+            self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
         return StepHandle(sampled.start_copy_to_host(), prompt_logprobs)
 
 

@@ -14,6 +14,7 @@ on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -53,8 +54,11 @@ def build_step_inputs(
     total = int(query_start_loc[-1])
     row_of_token = np.repeat(np.arange(len(seqs)), counts)
     positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
+    # A speculating row's query ends with its drafts (speculative decoding: the scheduler
+    # trimmed them to the row's share of the budget).
     input_ids = np.fromiter(
-        (t for s, c, n in zip(seqs, starts, counts) for t in s.token_ids[c : c + n]),
+        (t for s, c, n in zip(seqs, starts, counts)
+         for t in chain(s.token_ids[c : c + n], s.draft_token_ids)),
         np.int64,
         total,
     )

@@ -73,7 +73,19 @@ _TOTALS = {
     "generation_tokens_total": "generation_tokens",
     "prefix_cache_queries_total": "prefix_cache_queries",
     "prefix_cache_hits_total": "prefix_cache_hits",
+    "spec_decode_num_drafts_total": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens_total": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens_total": "spec_decode_num_accepted_tokens",
 }
+_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _running_totals(stats: EngineStats) -> dict[str, float]:
+    """Every running total of ``stats`` by key (accepted drafts: one key a position)."""
+    totals = {field: getattr(stats, field) for field in _TOTALS}
+    for position, value in enumerate(getattr(stats, _PER_POSITION)):
+        totals[f"{_PER_POSITION}:{position}"] = value
+    return totals
 
 
 class ServerMetrics:
@@ -116,7 +128,20 @@ class ServerMetrics:
             "prefix_cache_hits": counter(
                 "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
             ),
+            "spec_decode_num_drafts": counter(
+                "vllm:spec_decode_num_drafts", "Speculative decoding: sequence steps that "
+                "verified drafts."),
+            "spec_decode_num_draft_tokens": counter(
+                "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens."),
+            "spec_decode_num_accepted_tokens": counter(
+                "vllm:spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens the target accepted."),
         }
+        self.spec_decode_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens by position.",
+            ["model_name", "position"], registry=self.registry,
+        )
         success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -236,19 +261,23 @@ class ServerMetrics:
             else str(info.num_total_blocks * config.block_size),
         ).set(1)
         # The warm-up request is not traffic: counters start from the engine's totals now.
-        self._last_totals = {field: getattr(stats, field) for field in _TOTALS}
+        self._last_totals = _running_totals(stats)
         self.on_stats(stats, None)
 
     def on_stats(self, stats: EngineStats, timings: StepTimings | None) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        for field, name in _TOTALS.items():
-            value = getattr(stats, field)
-            delta = value - self._last_totals.get(field, 0)
+        for key, value in _running_totals(stats).items():
+            delta = value - self._last_totals.get(key, 0)
             if delta > 0:
-                self.counters[name].inc(delta)
-            self._last_totals[field] = value
+                if key in _TOTALS:
+                    self.counters[_TOTALS[key]].inc(delta)
+                else:
+                    position = key.rsplit(":", 1)[1]
+                    self.spec_decode_accepted_per_pos.labels(self.model_name, position).inc(
+                        delta)
+            self._last_totals[key] = value
         if timings is None:
             return
         observe_many(self.ttft, timings.ttft)

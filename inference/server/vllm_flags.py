@@ -58,8 +58,8 @@ FOREIGN_FLAGS = (
     ForeignFlag(("--lora-modules",), _NO_LORA, nargs="+"),
     ForeignFlag(("--max-loras",), _NO_LORA),
     ForeignFlag(("--max-lora-rank",), _NO_LORA),
-    ForeignFlag(("--speculative-config",), "pagoda has no speculative decoding"),
-    ForeignFlag(("--num-speculative-tokens",), "pagoda has no speculative decoding"),
+    ForeignFlag(("--num-speculative-tokens",), "speculative decoding is configured with "
+                "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
     ForeignFlag(("--kv-transfer-config",), "pagoda has no KV-cache connectors (LMCache, "
                 "disaggregated prefill)"),
     ForeignFlag(("--cpu-offload-gb",), "weights stay on the GPU (no CPU offload)",

