@@ -37,7 +37,7 @@ from inference.sampler import (
     prompt_logprobs_to_host,
 )
 from inference.sequence import Sequence
-from kernels._backend import kernel_for
+from kernels import warm_up_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,10 @@ class ModelRunner:
         start = time.perf_counter()
         if not self.config.enforce_eager:
             before = torch.cuda.memory_reserved(self.device)
-            self.graphs = StepGraphs(self)
+            self.graphs = StepGraphs(
+                self.forward, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                -(-self.config.max_model_len // self.block_size), self.device,
+            )  # fmt: skip
             # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
             logger.info(
                 "CUDA graphs: %d decode (batch <= %d), %d mixed (tokens <= %d); %.2f GiB; "
@@ -212,18 +215,17 @@ class ModelRunner:
         ready: the kernel is specialised on its tiling and on how many segments the KV
         range is split into, and a variant first met by a request would stall every
         running sequence for the length of a Triton compile (about a second). The kernel
-        module lists its own variants (``tilings``); nothing to do without Triton. An FP8
-        cache is its own variant of each, compiled here with the model's query dtype."""
+        module lists its own variants; nothing to do without Triton. An FP8 cache is its own
+        variant of each, compiled here with the model's query dtype."""
         k_cache, v_cache = self.kv_caches[0]
-        ops = kernel_for("attention", k_cache)
-        if ops is None:
-            return
         layer = self.model.layers[0]
-        for decode in (False, True):
-            ops.warm_up(k_cache, v_cache, layer.num_heads, layer.scale,
-                        self.config.max_num_batched_tokens, decode, self.dtype,
-                        layer.k_scale, layer.v_scale)  # fmt: skip
-        if self.device.type == "cuda":
+        warmed = [
+            warm_up_paged_attention(k_cache, v_cache, layer.num_heads, layer.scale,
+                                    self.config.max_num_batched_tokens, decode, self.dtype,
+                                    layer.k_scale, layer.v_scale)
+            for decode in (False, True)
+        ]  # fmt: skip
+        if any(warmed) and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def forward(
