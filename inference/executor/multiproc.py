@@ -31,7 +31,19 @@ from multiprocessing.connection import wait
 import torch
 
 from inference.config import ResolvedEngineConfig
-from inference.executor.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
+from inference.executor.messages import (
+    AllocateKvCache,
+    CaptureGraphs,
+    DetermineNumBlocks,
+    ExecuteStep,
+    Flush,
+    NewSequence,
+    Reply,
+    Shutdown,
+    WorkerMessage,
+    WorkerReady,
+)
+from inference.executor.worker import WorkerArgs, worker_main
 from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
 from inference.models.config import ModelConfig
 from inference.parallel_state import free_local_port, kv_head_range
@@ -105,11 +117,12 @@ class MultiprocExecutor:
         self._step_results: dict[int, SamplerOutput | None] = {}
         # Sequences whose sampling state the workers hold, by id, until they finish.
         self._known: dict[int, Sequence] = {}
-        ready = self._call_all(None)  # each worker says "ok" once its shard is loaded
-        self.load_seconds = max(r["load_seconds"] for r in ready)
+        # Each worker says it is ready once its shard is loaded.
+        ready: list[WorkerReady] = self._call_all(None)
+        self.load_seconds = max(r.load_seconds for r in ready)
         logger.info(
             "tensor parallel: %d workers up (pids %s)", self.world_size,
-            [r["pid"] for r in ready],
+            [r.pid for r in ready],
         )
 
     # -- the ModelExecutor interface ---------------------------------------------------
@@ -122,13 +135,13 @@ class MultiprocExecutor:
         return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim, cache_dtype)
 
     def determine_num_blocks(self) -> int:
-        return self._call_all(("determine_num_blocks",))[0]
+        return self._call_all(DetermineNumBlocks())[0]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._call_all(("allocate_kv_cache", num_blocks))
+        self._call_all(AllocateKvCache(num_blocks))
 
     def capture_graphs(self) -> float:
-        return max(self._call_all(("capture_graphs",)))
+        return max(self._call_all(CaptureGraphs()))
 
     def launch(
         self,
@@ -143,14 +156,15 @@ class MultiprocExecutor:
         # Workers keep each sampled sequence's SamplingParams (sent once: pickling them
         # every step would cost milliseconds at large batches) and, for seeded requests,
         # their own generator (torch.Generator objects do not pickle), until it finishes.
-        seq_ids, new_seqs = [], {}
+        seq_ids: list[int] = []
+        new_seqs: dict[int, NewSequence] = {}
         for row in sample_rows:
             seq = seqs[row]
             seq_ids.append(seq.seq_id)
             if seq.seq_id not in self._known:
                 self._known[seq.seq_id] = seq
                 seed = None if seq.params.seed is None else seq.params.seed + seq.index
-                new_seqs[seq.seq_id] = (seq.params, seed)
+                new_seqs[seq.seq_id] = NewSequence(seq.params, seed)
         finished = [seq_id for seq_id, seq in self._known.items() if seq.is_finished]
         for seq_id in finished:
             del self._known[seq_id]
@@ -158,7 +172,7 @@ class MultiprocExecutor:
         # applies the same one, so all ranks still sample identically.
         sampling.resolve_token_bitmask()
         wire = replace(sampling, params=[], generators=[])
-        self._send((EXECUTE, inputs, sample_rows, wire, seq_ids, new_seqs, finished))
+        self._send(ExecuteStep(inputs, sample_rows, wire, seq_ids, new_seqs, finished))
         index = self._num_launched
         self._num_launched += 1
         return _StepHandle(self, index)
@@ -168,7 +182,7 @@ class MultiprocExecutor:
             # No later step was sent: workers answer a step once the next is queued, so
             # ask for this one now.
             self._check_alive()
-            self._send((FLUSH,))
+            self._send(Flush())
         while self._num_received <= index:
             self._check_alive()
             self._step_results[self._num_received] = self._receive({0})[0]
@@ -204,11 +218,11 @@ class MultiprocExecutor:
             raise RuntimeError(self._dead_reason)
 
     # -- messaging ------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: WorkerMessage) -> None:
         payload = pickle.dumps(message, protocol=5)
         self._sender.send(payload)
 
-    def _call_all(self, message: tuple | None) -> list:
+    def _call_all(self, message: WorkerMessage | None) -> list:
         """Send ``message`` (None: nothing, just collect) and return every rank's reply."""
         self._check_alive()
         if message is not None:
@@ -229,14 +243,14 @@ class MultiprocExecutor:
                     continue
                 rank = conns[id(obj)]
                 try:
-                    status, value = obj.recv()
+                    reply = obj.recv()
                 except (EOFError, OSError):
                     continue  # its sentinel tells what happened
-                if status != "ok":
-                    self._fail_after_settling({rank: value})
+                if not isinstance(reply, Reply):
+                    self._fail_after_settling({rank: reply.text})
                 if rank not in ranks or rank in replies:
                     self._fail(f"tensor-parallel worker rank {rank} sent an unexpected reply")
-                replies[rank] = value
+                replies[rank] = reply.value
             if any(isinstance(obj, int) for obj in ready) and len(replies) < len(ranks):
                 self._fail_after_settling({})
         return replies
@@ -253,9 +267,9 @@ class MultiprocExecutor:
         for rank, conn in enumerate(self._conns):
             try:
                 while rank not in errors and conn.poll():
-                    status, value = conn.recv()
-                    if status != "ok":
-                        errors[rank] = value
+                    reply = conn.recv()
+                    if not isinstance(reply, Reply):
+                        errors[rank] = reply.text
             except (EOFError, OSError):
                 pass
         silent = [
@@ -366,7 +380,7 @@ def _kill_workers(processes: list) -> None:
 
 def _stop_workers(processes: list, conns: list, grace_s: float) -> None:
     """Ask every worker to stop; terminate, then kill, those that do not within grace."""
-    message = pickle.dumps((SHUTDOWN,), protocol=5)
+    message = pickle.dumps(Shutdown(), protocol=5)
     for conn in conns:
         try:
             conn.send_bytes(message)
