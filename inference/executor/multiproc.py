@@ -28,8 +28,6 @@ import weakref
 from dataclasses import replace
 from multiprocessing.connection import wait
 
-import torch
-
 from inference.config import ResolvedEngineConfig
 from inference.executor.messages import (
     AllocateKvCache,
@@ -44,7 +42,7 @@ from inference.executor.messages import (
     WorkerReady,
 )
 from inference.executor.worker import WorkerArgs, worker_main
-from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
+from inference.layers.kv_cache import kv_block_bytes
 from inference.models.config import ModelConfig
 from inference.parallel_state import free_local_port, kv_head_range
 from inference.runner.step_inputs import build_step_inputs
@@ -75,14 +73,11 @@ class MultiprocExecutor:
         config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
-        device: torch.device,
-        dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.model_config = model_config
         self.world_size = config.tensor_parallel_size
         self.block_size = config.block_size
-        self.dtype = dtype
         self._dead_reason: str | None = None
         self._closed = False
         context = multiprocessing.get_context("spawn")
@@ -93,8 +88,8 @@ class MultiprocExecutor:
             engine_end, worker_end = context.Pipe(duplex=True)
             args = WorkerArgs(
                 rank=rank, world_size=self.world_size, port=port, config=config,
-                model_config=model_config, model_path=model_path, device_type=device.type,
-                dtype=dtype, parent_pid=os.getpid(), env=dict(WORKER_ENV),
+                model_config=model_config, model_path=model_path, parent_pid=os.getpid(),
+                env=dict(WORKER_ENV),
             )
             # Not daemonic: the serving front end may run the engine in a child process,
             # and daemonic processes cannot have children. Cleanup is ours (close()).
@@ -131,8 +126,8 @@ class MultiprocExecutor:
         """One rank's bytes per block (every rank holds the same number of KV heads)."""
         cfg = self.model_config
         _, heads = kv_head_range(cfg.num_kv_heads, 0, self.world_size)
-        cache_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
-        return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim, cache_dtype)
+        return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim,
+                              self.config.kv_cache_torch_dtype)  # fmt: skip
 
     def determine_num_blocks(self) -> int:
         return self._call_all(DetermineNumBlocks())[0]

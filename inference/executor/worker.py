@@ -49,8 +49,6 @@ class WorkerArgs:
     config: ResolvedEngineConfig
     model_config: ModelConfig
     model_path: str
-    device_type: str  # "cuda" or "cpu"
-    dtype: torch.dtype
     parent_pid: int
     env: dict[str, str]  # set (if unset) before anything touches NCCL
 
@@ -113,7 +111,8 @@ class _Worker:
 
         self.rank = args.rank
         self.conn = conn
-        if args.device_type == "cuda":
+        device_type = args.config.device
+        if device_type == "cuda":
             torch.cuda.set_device(args.rank)
             self.device = torch.device("cuda", args.rank)
         else:
@@ -124,12 +123,11 @@ class _Worker:
         # of equal-shaped shards, unseeded sampling).
         torch.manual_seed(args.config.seed)
         self.parallel = with_small_all_reduce(
-            init_parallel(args.rank, args.world_size, args.port, args.device_type),
-            self.device, args.dtype,
+            init_parallel(args.rank, args.world_size, args.port, device_type),
+            self.device, args.config.torch_dtype,
         )
         self.runner = ModelRunner(
-            args.config, args.model_config, args.model_path, self.device, args.dtype,
-            self.parallel,
+            args.config, args.model_config, args.model_path, self.parallel, self.device
         )
         # Sampling state of the engine's live sequences, by id: (params, seeded generator).
         self.sequences: dict[int, tuple[Any, torch.Generator | None]] = {}

@@ -22,7 +22,7 @@ import torch
 
 from inference.config import ResolvedEngineConfig
 from inference.layers.attention_metadata import AttentionMetadata
-from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
+from inference.layers.kv_cache import kv_block_bytes
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
@@ -50,16 +50,15 @@ class ModelRunner:
         config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
-        device: torch.device,
-        dtype: torch.dtype,
         parallel: ParallelContext = SINGLE,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: a tensor-parallel rank's own GPU (default: ``config.device``)."""
         self.config = config
         self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        # The model's dtype, or float8_e4m3fn (kv_cache_dtype="fp8": half the bytes).
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        self.device = torch.device(config.device) if device is None else device
+        self.dtype = dtype = config.torch_dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype
         self.block_size = config.block_size
         # Tensor parallelism: this rank's share of the KV heads (all of them on one GPU).
         self.parallel = parallel
@@ -68,7 +67,7 @@ class ModelRunner:
         )
         start = time.perf_counter()
         self.model = load_model(
-            model_path, model_config, dtype, device, config.max_model_len, config.load_format,
+            model_path, model_config, dtype, self.device, config.max_model_len, config.load_format,
             parallel, config.quantization,
         )
         self.load_seconds = time.perf_counter() - start
@@ -77,7 +76,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         # The last step's sampled ids, where the next step's placeholders read them.
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64,
+                                       device=self.device)  # fmt: skip
 
     # -- KV cache sizing ---------------------------------------------------------------
     @property
