@@ -7,9 +7,11 @@ them into argparse arguments for every command line (serve, bench, chat), and
 ``engine_kwargs`` reads the given ones back. A flag a user leaves out is absent from the
 kwargs, so its default is the dataclass's and nowhere else.
 
-``EngineConfig.resolve`` fills what depends on the model and the device (lengths, batch
-limits) into a new frozen ``ResolvedEngineConfig``, which the engine and everything below
-it read; the user's config is never written to (as vLLM V1 resolves one ``VllmConfig``).
+``EngineConfig.resolve`` fills what depends on the model and the host (the device, the
+dtype, the quantization, lengths, batch limits) into a new frozen ``ResolvedEngineConfig``,
+which the engine and everything below it read, decided once; the user's config is never
+written to (as vLLM V1 resolves one ``VllmConfig``). It holds no torch objects (the server
+unpickles it without torch); ``torch_dtype`` and ``kv_cache_torch_dtype`` name them.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ from inference.quantization import QUANTIZATION_METHODS, resolve_quantization
 from inference.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
+    import torch
+
     from inference.models.config import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8")
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")
+# dtype spellings -> the torch name each stands for.
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+_DTYPES = ("auto", *_DTYPE_NAMES)
 
 # Batch limits when none are given: what an H100/H200-class card sustains (measured in
 # inference/bench/results), and what a CPU steps through without long stalls.
@@ -195,10 +205,14 @@ class EngineConfig:
             )
         return cls(model=model, **kwargs)
 
-    def resolve(self, model_config: ModelConfig, device_type: str) -> ResolvedEngineConfig:
-        """This config with the model's and the device's limits filled in.
+    def resolve(
+        self, model_config: ModelConfig, device_type: str | None = None
+    ) -> ResolvedEngineConfig:
+        """This config with the model's and the device's choices filled in.
 
-        ValueError if ``max_model_len`` exceeds what the model can attend to, or if the
+        ``device_type``: "cuda" or "cpu", where ``device="auto"`` runs (default: a GPU when
+        this host has one). ValueError if ``device="cuda"`` finds no GPU, if
+        ``max_model_len`` exceeds what the model can attend to, or if the
         checkpoint's quantization is not supported (a quantized checkpoint sets
         ``quantization``: see ``inference.quantization``). A batch limit
         left out defers to the other one given: a small token budget lowers the default
@@ -211,7 +225,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} tokens"
             )
-        on = "cuda" if device_type == "cuda" else "cpu"
+        on = _resolve_device(self.device, device_type)
         max_num_seqs = self.max_num_seqs
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_seqs is None:
@@ -225,6 +239,8 @@ class EngineConfig:
             "max_model_len": self.max_model_len or limit,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "device": on,
+            "dtype": _resolve_dtype(self.dtype, model_config.torch_dtype, on),
             "quantization": resolve_quantization(self.quantization,
                                                  model_config.quantization_config),
         })
@@ -287,11 +303,52 @@ class EngineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ResolvedEngineConfig(EngineConfig):
-    """An ``EngineConfig`` after ``resolve``: the lengths and batch limits are numbers."""
+    """An ``EngineConfig`` after ``resolve``: the lengths and batch limits are numbers,
+    ``device`` is "cuda" or "cpu", ``dtype`` a torch dtype's name ("bfloat16"), and
+    ``quantization`` the scheme the weights run with (the checkpoint's own, if any)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """Weights and activations."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's: the model's dtype, or float8_e4m3fn (``kv_cache_dtype="fp8"``:
+        half the bytes)."""
+        from kernels.kv_cache import FP8_KV_DTYPE
+
+        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+
+def _resolve_device(device: str, host_device_type: str | None) -> str:
+    """Where the engine runs: "cuda" or "cpu"."""
+    if device == "cpu":
+        return "cpu"
+    if host_device_type is None:
+        import torch
+
+        host_device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and host_device_type != "cuda":
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return host_device_type
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device_type: str) -> str:
+    """The torch name of the weights' dtype: the one asked for; with "auto", the
+    checkpoint's (bfloat16 for a float32 or unnamed one) on a GPU, float32 on CPU."""
+    if dtype != "auto":
+        return _DTYPE_NAMES[dtype]
+    if device_type == "cpu":
+        return "float32"  # CPU matmuls in half precision are slow and less exact
+    checkpoint = _DTYPE_NAMES.get(str(checkpoint_dtype), "bfloat16")
+    return "bfloat16" if checkpoint == "float32" else checkpoint
 
 
 def add_engine_args(parser: argparse.ArgumentParser,

@@ -1,6 +1,9 @@
-"""How an engine is put together from its config: tokenizer and stop ids, device and
-dtype, lengths and batch limits, the model runner (one process or tensor-parallel workers),
-and the checks that reject a configuration before anything large is allocated."""
+"""How an engine is put together from its config, in one place: the config resolved once
+(``resolve_engine_config``: the model's folder and config, the device, dtype, KV-cache dtype
+and quantization), and every part built from that resolution (``build_engine``: tokenizer
+and stop ids, the model runner (one process or tensor-parallel workers), the KV cache, the
+scheduler, block manager, output processor and grammar compiler), with the checks that
+reject a configuration before anything large is allocated."""
 
 from __future__ import annotations
 
@@ -8,22 +11,116 @@ import json
 import logging
 import os
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from inference.block_manager import BlockManager, prefix_cache_root
 from inference.config import EngineConfig, ResolvedEngineConfig
 from inference.executor.interface import ModelExecutor
+from inference.model_files import load_tokenizer, resolve_model
 from inference.models.config import ModelConfig
+from inference.output_processor import OutputProcessor
 from inference.runner.model_runner import ModelRunner
+from inference.scheduler import Scheduler
+from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+
+@dataclass
+class EngineParts:
+    """Everything ``LLMEngine`` drives, built by ``build_engine``."""
+
+    tokenizer: Any  # None: the model has no tokenizer files (prompts are token ids)
+    eos_token_ids: set[int]
+    runner: ModelExecutor
+    num_total_blocks: int
+    startup_phases: dict[str, float]  # seconds by start-up phase, for the log and /health
+    block_manager: BlockManager
+    scheduler: Scheduler
+    output_processor: OutputProcessor
+    grammars: GrammarCompiler
+
+
+def resolve_engine_config(config: EngineConfig) -> tuple[ResolvedEngineConfig, Path, ModelConfig]:
+    """The config resolved against its model and this host, with the model's folder and
+    config. ValueError for a configuration the model or the host cannot run."""
+    model_path = resolve_model(config.model)
+    model_config = ModelConfig.from_folder(model_path)
+    resolved = config.resolve(model_config)
+    check_tensor_parallel(resolved, model_config)
+    return resolved, model_path, model_config
+
+
+def build_engine(
+    config: ResolvedEngineConfig, model_path: Path, model_config: ModelConfig
+) -> EngineParts:
+    """Every part of an engine, from its resolved config (``resolve_engine_config``)."""
+    tokenizer = load_tokenizer(config.tokenizer or model_path)
+    if tokenizer is None:
+        logger.warning("%s has no tokenizer files: prompts must be token ids", model_path)
+    eos = eos_token_ids(model_path, model_config, tokenizer)
+    torch.manual_seed(config.seed)
+    runner = make_runner(config, model_config, str(model_path))
+    try:
+        num_blocks, startup_phases = size_kv_cache(runner, config)
+    except BaseException:
+        runner.close()
+        raise
+    block_manager = BlockManager(
+        num_blocks, config.block_size, config.enable_prefix_caching,
+        prefix_cache_root(
+            model=str(model_path), load_format=config.load_format,
+            dtype=str(config.torch_dtype), kv_cache_dtype=str(config.kv_cache_torch_dtype),
+            quantization=config.quantization,
+        ),
+    )  # fmt: skip
+    return EngineParts(
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        runner=runner,
+        num_total_blocks=num_blocks,
+        startup_phases=startup_phases,
+        block_manager=block_manager,
+        scheduler=Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens),
+        output_processor=OutputProcessor(tokenizer, eos, config.max_model_len),
+        # Structured outputs: matchers are built off the step loop.
+        grammars=GrammarCompiler(tokenizer, model_config.vocab_size, sorted(eos)),
+    )
+
+
+def size_kv_cache(
+    runner: ModelExecutor, config: ResolvedEngineConfig
+) -> tuple[int, dict[str, float]]:
+    """Profile, allocate the KV cache and capture graphs; returns the block count and the
+    seconds of each start-up phase."""
+    t0 = time.perf_counter()
+    num_blocks = runner.determine_num_blocks()
+    t1 = time.perf_counter()
+    check_capacity(config, num_blocks)
+    runner.allocate_kv_cache(num_blocks)
+    t2 = time.perf_counter()
+    capture_s = runner.capture_graphs()
+    startup_phases = {
+        "load_s": round(runner.load_seconds, 2),
+        "profile_s": round(t1 - t0, 2),
+        "allocate_s": round(t2 - t1, 2),
+        "capture_s": round(capture_s, 2),
+    }
+    logger.info("start-up by phase: %s", startup_phases)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB%s); max concurrency at "
+        "max_model_len=%d: %.1f", num_blocks, config.block_size,
+        num_blocks * config.block_size, str(config.kv_cache_torch_dtype).removeprefix("torch."),
+        num_blocks * runner.bytes_per_block / 2**30,
+        " per GPU" if config.tensor_parallel_size > 1 else "",
+        config.max_model_len, num_blocks * config.block_size / config.max_model_len,
+    )
+    return num_blocks, startup_phases
 
 
 def ensure_writable_kernel_cache() -> None:
@@ -60,44 +157,30 @@ def eos_token_ids(path: Path, cfg: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "cpu":
-        return torch.device("cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+def check_tensor_parallel(config: ResolvedEngineConfig, cfg: ModelConfig) -> None:
     """ValueError unless the model splits ``tensor_parallel_size`` ways on this host."""
     from inference.parallel_state import check_divisible
 
     tp = config.tensor_parallel_size
     check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
-    if tp > 1 and device.type == "cuda" and torch.cuda.device_count() < tp:
+    if tp > 1 and config.device == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(
             f"tensor_parallel_size={tp} needs {tp} GPUs; this host has "
             f"{torch.cuda.device_count()}"
         )
 
 
-def make_runner(config, model_config, model_path, device, dtype) -> ModelExecutor:
+def make_runner(
+    config: ResolvedEngineConfig, model_config: ModelConfig, model_path: str
+) -> ModelExecutor:
     """The model in this process (one device), or tensor-parallel workers behind an
-    executor: either way, what the engine drives."""
+    executor (they hold the shards and offer the runner's methods): either way, what the
+    engine drives."""
     if config.tensor_parallel_size == 1:
-        return ModelRunner(config, model_config, model_path, device, dtype)
+        return ModelRunner(config, model_config, model_path)
     from inference.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, model_config, model_path, device, dtype)
-
-
-def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and less exact
-    config_dtype = _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16)
-    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+    return MultiprocExecutor(config, model_config, model_path)
 
 
 def check_capacity(config: ResolvedEngineConfig, num_blocks: int) -> None:

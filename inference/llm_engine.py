@@ -28,24 +28,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from inference.block_manager import BlockManager, prefix_cache_root
 from inference.config import EngineConfig
 from inference.engine_messages import EngineStats
-from inference.engine_setup import (
-    check_capacity,
-    check_tensor_parallel,
-    ensure_writable_kernel_cache,
-    eos_token_ids,
-    make_runner,
-    resolve_device,
-    resolve_dtype,
-)
+from inference.engine_setup import build_engine, ensure_writable_kernel_cache, resolve_engine_config
 from inference.executor.interface import ModelExecutor, PendingStep
 from inference.generation_defaults import generation_defaults
-from inference.layers.kv_cache import kv_cache_torch_dtype
-from inference.model_files import load_tokenizer, resolve_model
-from inference.models.config import ModelConfig
-from inference.output_processor import OutputProcessor, RequestState
+from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
 from inference.sampler import (
     PromptLogprobsRequest,
@@ -55,10 +43,9 @@ from inference.sampler import (
     has_penalties,
 )
 from inference.sampling_params import SamplingParams, check_max_logprobs
-from inference.scheduler import ScheduledBatch, Scheduler
+from inference.scheduler import ScheduledBatch
 from inference.sequence import Sequence
 from inference.spec_decode.drafting import SpecDecoder, VerifiedTokens
-from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -101,59 +88,34 @@ class _LaunchedStep:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         ensure_writable_kernel_cache()
-        self.model_path = resolve_model(config.model)
+        self.config, self.model_path, self.model_config = resolve_engine_config(config)
+        config = self.config
         self.model_name = config.served_model_name or self.model_path.name
-        self.model_config = ModelConfig.from_folder(self.model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        if self.tokenizer is None:
-            logger.warning("%s has no tokenizer files: prompts must be token ids", self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path, self.model_config, self.tokenizer)
-        self.device = resolve_device(config)
-        check_tensor_parallel(config, self.model_config, self.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.config = config = config.resolve(self.model_config, self.device.type)
         for note in config.ignored_settings():
             logger.info("%s", note)
         # Defaults of the sampling parameters a request leaves out (--generation-config).
         self.generation_defaults = generation_defaults(config, self.model_path)
-        torch.manual_seed(config.seed)
-
-        # One GPU: the model runs in this process. Tensor parallel: worker processes hold
-        # the shards; the executor offers the runner's methods.
-        self.runner: ModelExecutor = make_runner(
-            config, self.model_config, str(self.model_path), self.device, self.dtype
-        )
-        try:
-            num_blocks = self._size_kv_cache()
-        except BaseException:
-            self.runner.close()
-            raise
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching,
-            prefix_cache_root(
-                model=str(self.model_path), load_format=config.load_format,
-                dtype=str(self.dtype), kv_cache_dtype=str(self.kv_cache_dtype),
-                quantization=config.quantization,
-            ),
-        )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype
+        parts = build_engine(config, self.model_path, self.model_config)
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        # One GPU: a ModelRunner in this process; tensor parallel: worker processes.
+        self.runner: ModelExecutor = parts.runner
+        self.num_total_blocks = parts.num_total_blocks
+        self.startup_phases = parts.startup_phases
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.output_processor = parts.output_processor
+        self.grammars = parts.grammars
         speculative = config.speculative()
         # Speculative decoding (n-gram): proposes drafts before each step is scheduled.
         self.spec_decoder = SpecDecoder(speculative) if speculative is not None else None
         if speculative is not None:
             logger.info("speculative decoding: %s", speculative.summary())
-        self.output_processor = OutputProcessor(
-            self.tokenizer, self.eos_token_ids, config.max_model_len
-        )
         self.requests: dict[str, RequestState] = {}
-        # Structured outputs: matchers are built off the step loop; requests wait here
-        # until theirs is ready.
-        self.grammars = GrammarCompiler(
-            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
-        )
+        # Structured-output requests wait here until their matcher is built.
         self._awaiting_grammar: list[tuple[RequestState, Future]] = []
         # Async scheduling (on by default): step n+1 is launched before step n's tokens
         # are read back. Off, each step completes before the next is scheduled.
@@ -165,34 +127,6 @@ class LLMEngine:
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
         # prompt-logprob work only while there are any.
         self._unscored: set[Sequence] = set()
-
-    def _size_kv_cache(self) -> int:
-        """Profile, allocate the KV cache and capture graphs; returns the block count."""
-        config = self.config
-        t0 = time.perf_counter()
-        num_blocks = self.runner.determine_num_blocks()
-        t1 = time.perf_counter()
-        check_capacity(config, num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
-        t2 = time.perf_counter()
-        capture_s = self.runner.capture_graphs()
-        self.num_total_blocks = num_blocks
-        self.startup_phases = {
-            "load_s": round(self.runner.load_seconds, 2),
-            "profile_s": round(t1 - t0, 2),
-            "allocate_s": round(t2 - t1, 2),
-            "capture_s": round(capture_s, 2),
-        }
-        logger.info("start-up by phase: %s", self.startup_phases)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB%s); max concurrency at "
-            "max_model_len=%d: %.1f", num_blocks, config.block_size,
-            num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
-            num_blocks * self.runner.bytes_per_block / 2**30,
-            " per GPU" if config.tensor_parallel_size > 1 else "",
-            config.max_model_len, num_blocks * config.block_size / config.max_model_len,
-        )
-        return num_blocks
 
     # -- intake ------------------------------------------------------------------------
     def add_request(

@@ -72,10 +72,6 @@ class Sequence:
             self.prompt_logprobs = [None]
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -12,7 +12,7 @@ from kernels.activation import (
     silu_and_mul_fp8_ref,
     silu_and_mul_ref,
 )
-from kernels.attention import paged_attention, paged_attention_ref
+from kernels.attention import paged_attention, paged_attention_ref, warm_up_paged_attention
 from kernels.fp8_linear import MAX_M as FP8_SKINNY_MAX_M
 from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
 from kernels.fp8_quant import Fp8Activations
@@ -71,5 +71,6 @@ __all__ = [
     "silu_and_mul_ref",
     "write_kv_cache",
     "wants_fp8_input",
+    "warm_up_paged_attention",
     "write_kv_cache_ref",
 ]

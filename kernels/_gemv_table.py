@@ -31,13 +31,6 @@ class GemvConfig:
         )
 
 
-def _pow2_at_most(value: int, cap: int) -> int:
-    result = 1
-    while result * 2 <= min(value, cap):
-        result *= 2
-    return result
-
-
 def _next_pow2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 

@@ -95,3 +95,20 @@ def paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len,
         k_scale, v_scale,
     )  # fmt: skip
+
+
+def warm_up_paged_attention(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+    max_num_tokens: int, decode: bool, q_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> list:
+    """Compile every variant of the Triton kernel that a step of up to ``max_num_tokens``
+    tokens (``decode``: of one query token per sequence) can pick, by launching each once on
+    scratch queries; returns the tilings run (none where these caches use the reference).
+    ``q_dtype``: the model's query dtype, needed when the cache is FP8."""
+    triton_ops = kernel_for("attention", k_cache)
+    if triton_ops is None:
+        return []
+    return triton_ops.warm_up(
+        k_cache, v_cache, num_heads, scale, max_num_tokens, decode, q_dtype, k_scale, v_scale
+    )

@@ -4,7 +4,9 @@
 and the layers below it, never one above. Every import counts, also one inside a function
 or under ``TYPE_CHECKING``: a lazy upward import is still an upward dependency. Every
 module under ``inference/`` and ``kernels/`` must be in a layer, so a new module is placed
-on purpose. ``inference/bench/`` may import anything (it measures the whole stack), and
+on purpose. Nor may imports within ``inference/`` run in a circle, not even type-only
+ones inside one layer: a module that needs a name of the module importing it takes it as
+an argument instead. ``inference/bench/`` may import anything (it measures the whole stack), and
 only the ``pagoda`` command above it imports it. The operator stands apart: it imports
 neither.
 """
@@ -135,6 +137,55 @@ def test_imports_run_down_the_layers():
                 where = "in no layer" if layer is None else f"layer {layer}, above {own}"
                 upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({where})")
     assert upward == [], "imports that run up the stack:\n" + "\n".join(upward)
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other, directly or around a loop (Tarjan's
+    strongly connected components of more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while (member := stack.pop()) != module:
+                component.append(member)
+            if component:
+                circles.append(sorted([module, *component]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(circles)
+
+
+def test_no_import_circles_in_the_engine():
+    """Within a layer imports may run either way, but never around: a circle (also one of
+    ``TYPE_CHECKING`` imports) means two modules cannot be read or tested one at a time."""
+    graph = {
+        _module_name(path): {
+            target for _, target in _first_party_imports(path)
+            if target.startswith("inference.") and target != _module_name(path)
+        }
+        for path in sorted((ROOT / "inference").rglob("*.py"))
+    }  # fmt: skip
+    circles = _import_circles(graph)
+    assert circles == [], "modules that import each other:\n" + "\n".join(map(str, circles))
+
+
+def test_a_circle_is_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _import_circles(graph) == [["a", "b", "c"]]
 
 
 def test_the_operator_never_imports_the_engine():

@@ -28,11 +28,21 @@ import weakref
 from dataclasses import replace
 from multiprocessing.connection import wait
 
-import torch
-
 from inference.config import ResolvedEngineConfig
-from inference.executor.worker import EXECUTE, FLUSH, SHUTDOWN, WorkerArgs, worker_main
-from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
+from inference.executor.messages import (
+    AllocateKvCache,
+    CaptureGraphs,
+    DetermineNumBlocks,
+    ExecuteStep,
+    Flush,
+    NewSequence,
+    Reply,
+    Shutdown,
+    WorkerMessage,
+    WorkerReady,
+)
+from inference.executor.worker import WorkerArgs, worker_main
+from inference.layers.kv_cache import kv_block_bytes
 from inference.models.config import ModelConfig
 from inference.parallel_state import free_local_port, kv_head_range
 from inference.runner.step_inputs import build_step_inputs
@@ -63,14 +73,11 @@ class MultiprocExecutor:
         config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
-        device: torch.device,
-        dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.model_config = model_config
         self.world_size = config.tensor_parallel_size
         self.block_size = config.block_size
-        self.dtype = dtype
         self._dead_reason: str | None = None
         self._closed = False
         context = multiprocessing.get_context("spawn")
@@ -81,8 +88,8 @@ class MultiprocExecutor:
             engine_end, worker_end = context.Pipe(duplex=True)
             args = WorkerArgs(
                 rank=rank, world_size=self.world_size, port=port, config=config,
-                model_config=model_config, model_path=model_path, device_type=device.type,
-                dtype=dtype, parent_pid=os.getpid(), env=dict(WORKER_ENV),
+                model_config=model_config, model_path=model_path, parent_pid=os.getpid(),
+                env=dict(WORKER_ENV),
             )
             # Not daemonic: the serving front end may run the engine in a child process,
             # and daemonic processes cannot have children. Cleanup is ours (close()).
@@ -105,11 +112,12 @@ class MultiprocExecutor:
         self._step_results: dict[int, SamplerOutput | None] = {}
         # Sequences whose sampling state the workers hold, by id, until they finish.
         self._known: dict[int, Sequence] = {}
-        ready = self._call_all(None)  # each worker says "ok" once its shard is loaded
-        self.load_seconds = max(r["load_seconds"] for r in ready)
+        # Each worker says it is ready once its shard is loaded.
+        ready: list[WorkerReady] = self._call_all(None)
+        self.load_seconds = max(r.load_seconds for r in ready)
         logger.info(
             "tensor parallel: %d workers up (pids %s)", self.world_size,
-            [r["pid"] for r in ready],
+            [r.pid for r in ready],
         )
 
     # -- the ModelExecutor interface ---------------------------------------------------
@@ -118,17 +126,17 @@ class MultiprocExecutor:
         """One rank's bytes per block (every rank holds the same number of KV heads)."""
         cfg = self.model_config
         _, heads = kv_head_range(cfg.num_kv_heads, 0, self.world_size)
-        cache_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
-        return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim, cache_dtype)
+        return kv_block_bytes(cfg.num_layers, self.block_size, heads, cfg.head_dim,
+                              self.config.kv_cache_torch_dtype)  # fmt: skip
 
     def determine_num_blocks(self) -> int:
-        return self._call_all(("determine_num_blocks",))[0]
+        return self._call_all(DetermineNumBlocks())[0]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._call_all(("allocate_kv_cache", num_blocks))
+        self._call_all(AllocateKvCache(num_blocks))
 
     def capture_graphs(self) -> float:
-        return max(self._call_all(("capture_graphs",)))
+        return max(self._call_all(CaptureGraphs()))
 
     def launch(
         self,
@@ -143,14 +151,15 @@ class MultiprocExecutor:
         # Workers keep each sampled sequence's SamplingParams (sent once: pickling them
         # every step would cost milliseconds at large batches) and, for seeded requests,
         # their own generator (torch.Generator objects do not pickle), until it finishes.
-        seq_ids, new_seqs = [], {}
+        seq_ids: list[int] = []
+        new_seqs: dict[int, NewSequence] = {}
         for row in sample_rows:
             seq = seqs[row]
             seq_ids.append(seq.seq_id)
             if seq.seq_id not in self._known:
                 self._known[seq.seq_id] = seq
                 seed = None if seq.params.seed is None else seq.params.seed + seq.index
-                new_seqs[seq.seq_id] = (seq.params, seed)
+                new_seqs[seq.seq_id] = NewSequence(seq.params, seed)
         finished = [seq_id for seq_id, seq in self._known.items() if seq.is_finished]
         for seq_id in finished:
             del self._known[seq_id]
@@ -158,7 +167,7 @@ class MultiprocExecutor:
         # applies the same one, so all ranks still sample identically.
         sampling.resolve_token_bitmask()
         wire = replace(sampling, params=[], generators=[])
-        self._send((EXECUTE, inputs, sample_rows, wire, seq_ids, new_seqs, finished))
+        self._send(ExecuteStep(inputs, sample_rows, wire, seq_ids, new_seqs, finished))
         index = self._num_launched
         self._num_launched += 1
         return _StepHandle(self, index)
@@ -168,7 +177,7 @@ class MultiprocExecutor:
             # No later step was sent: workers answer a step once the next is queued, so
             # ask for this one now.
             self._check_alive()
-            self._send((FLUSH,))
+            self._send(Flush())
         while self._num_received <= index:
             self._check_alive()
             self._step_results[self._num_received] = self._receive({0})[0]
@@ -204,11 +213,11 @@ class MultiprocExecutor:
             raise RuntimeError(self._dead_reason)
 
     # -- messaging ------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: WorkerMessage) -> None:
         payload = pickle.dumps(message, protocol=5)
         self._sender.send(payload)
 
-    def _call_all(self, message: tuple | None) -> list:
+    def _call_all(self, message: WorkerMessage | None) -> list:
         """Send ``message`` (None: nothing, just collect) and return every rank's reply."""
         self._check_alive()
         if message is not None:
@@ -229,14 +238,14 @@ class MultiprocExecutor:
                     continue
                 rank = conns[id(obj)]
                 try:
-                    status, value = obj.recv()
+                    reply = obj.recv()
                 except (EOFError, OSError):
                     continue  # its sentinel tells what happened
-                if status != "ok":
-                    self._fail_after_settling({rank: value})
+                if not isinstance(reply, Reply):
+                    self._fail_after_settling({rank: reply.text})
                 if rank not in ranks or rank in replies:
                     self._fail(f"tensor-parallel worker rank {rank} sent an unexpected reply")
-                replies[rank] = value
+                replies[rank] = reply.value
             if any(isinstance(obj, int) for obj in ready) and len(replies) < len(ranks):
                 self._fail_after_settling({})
         return replies
@@ -253,9 +262,9 @@ class MultiprocExecutor:
         for rank, conn in enumerate(self._conns):
             try:
                 while rank not in errors and conn.poll():
-                    status, value = conn.recv()
-                    if status != "ok":
-                        errors[rank] = value
+                    reply = conn.recv()
+                    if not isinstance(reply, Reply):
+                        errors[rank] = reply.text
             except (EOFError, OSError):
                 pass
         silent = [
@@ -366,7 +375,7 @@ def _kill_workers(processes: list) -> None:
 
 def _stop_workers(processes: list, conns: list, grace_s: float) -> None:
     """Ask every worker to stop; terminate, then kill, those that do not within grace."""
-    message = pickle.dumps((SHUTDOWN,), protocol=5)
+    message = pickle.dumps(Shutdown(), protocol=5)
     for conn in conns:
         try:
             conn.send_bytes(message)

@@ -1,8 +1,8 @@
 """A tensor-parallel worker: one process per GPU (or per CPU rank under gloo).
 
 It joins the process group, loads its shard of the model into a ``ModelRunner`` and then
-serves the engine's messages over its pipe until told to stop or until the pipe closes
-(the engine exited or was killed: a worker never outlives its engine).
+serves the engine's messages (``messages``) over its pipe until told to stop or until the
+pipe closes (the engine exited or was killed: a worker never outlives its engine).
 
 Every rank runs every step the same way, sampler included: the logits are all-gathered,
 so each rank holds the full distribution, and with the same seeds and the same calls each
@@ -26,6 +26,18 @@ from typing import Any
 import torch
 
 from inference.config import ResolvedEngineConfig
+from inference.executor.messages import (
+    AllocateKvCache,
+    CaptureGraphs,
+    DetermineNumBlocks,
+    ExecuteStep,
+    Flush,
+    Reply,
+    SetupCall,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
+)
 from inference.models.config import ModelConfig
 
 
@@ -37,19 +49,10 @@ class WorkerArgs:
     config: ResolvedEngineConfig
     model_config: ModelConfig
     model_path: str
-    device_type: str  # "cuda" or "cpu"
-    dtype: torch.dtype
     parent_pid: int
     env: dict[str, str]  # set (if unset) before anything touches NCCL
 
 
-# Messages, engine -> worker: pickled tuples (method, *args). Replies: ("ok", value) or
-# ("error", text).
-SHUTDOWN = "shutdown"
-EXECUTE = "execute"
-# "Reply for the last step now": the engine waits for it without sending another step.
-FLUSH = "flush"
-_SETUP_CALLS = ("determine_num_blocks", "allocate_kv_cache", "capture_graphs")
 # "FILE[:FIRST[:COUNT]]": rank 0 runs torch.profiler over steps FIRST .. FIRST+COUNT-1
 # (default 200 and 50) and writes its kernels, ranked by GPU time, to FILE.
 PROFILE_ENV = "PAGODA_WORKER_PROFILE"
@@ -80,7 +83,7 @@ def _report_and_exit(conn, what: str) -> None:
     error = sys.exc_info()[1]
     text = f"{what}: {type(error).__name__}: {error}\n\nworker traceback:\n"
     try:
-        conn.send(("error", text + traceback.format_exc()))
+        conn.send(WorkerFailed(text + traceback.format_exc()))
     except OSError:
         pass
     sys.stderr.flush()
@@ -108,7 +111,8 @@ class _Worker:
 
         self.rank = args.rank
         self.conn = conn
-        if args.device_type == "cuda":
+        device_type = args.config.device
+        if device_type == "cuda":
             torch.cuda.set_device(args.rank)
             self.device = torch.device("cuda", args.rank)
         else:
@@ -119,20 +123,19 @@ class _Worker:
         # of equal-shaped shards, unseeded sampling).
         torch.manual_seed(args.config.seed)
         self.parallel = with_small_all_reduce(
-            init_parallel(args.rank, args.world_size, args.port, args.device_type),
-            self.device, args.dtype,
+            init_parallel(args.rank, args.world_size, args.port, device_type),
+            self.device, args.config.torch_dtype,
         )
         self.runner = ModelRunner(
-            args.config, args.model_config, args.model_path, self.device, args.dtype,
-            self.parallel,
+            args.config, args.model_config, args.model_path, self.parallel, self.device
         )
         # Sampling state of the engine's live sequences, by id: (params, seeded generator).
         self.sequences: dict[int, tuple[Any, torch.Generator | None]] = {}
-        conn.send(("ok", {"load_seconds": self.runner.load_seconds, "pid": os.getpid()}))
+        conn.send(Reply(WorkerReady(self.runner.load_seconds, os.getpid())))
 
     def serve(self) -> None:
         """Steps are pipelined: step n is answered once step n+1 is queued on the GPU (or
-        on FLUSH), so the GPU never idles while this process reads the next message and
+        on ``Flush``), so the GPU never idles while this process reads the next message and
         stages its inputs."""
         conn = self.conn
         pending = None  # the last launched step, not answered yet
@@ -142,35 +145,35 @@ class _Worker:
                 message = pickle.loads(conn.recv_bytes())
             except EOFError:
                 return  # the engine is gone
-            method, *payload = message
-            if method == SHUTDOWN:
-                return
-            if method == EXECUTE:
+            if isinstance(message, ExecuteStep):
                 if profiler is not None:
                     profiler.before_step()
-                launched = self.launch(*payload)
+                launched = self.launch(message)
                 if pending is not None:
                     self._answer(pending)
                 pending = launched
-            elif method == FLUSH:
+            elif isinstance(message, Flush):
                 if pending is not None:
                     self._answer(pending)
                     pending = None
-            elif method in _SETUP_CALLS:
-                conn.send(("ok", getattr(self, method)(*payload)))
+            elif isinstance(message, Shutdown):
+                return
+            elif isinstance(message, SetupCall):
+                conn.send(Reply(self.set_up(message)))
             else:
-                raise ValueError(f"unknown message {method!r}")
+                raise ValueError(f"unknown message {message!r}")
 
     # -- set-up calls (every rank replies) ----------------------------------------------
-    def determine_num_blocks(self) -> int:
-        # Every rank must hold the same number of blocks: the smallest that fits everywhere.
-        return self.parallel.all_reduce_min(self.runner.determine_num_blocks())
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
-
-    def capture_graphs(self) -> float:
-        return self.runner.capture_graphs()
+    def set_up(self, call: SetupCall) -> Any:
+        if isinstance(call, DetermineNumBlocks):
+            # Every rank must hold the same number of blocks: the smallest that fits
+            # everywhere.
+            return self.parallel.all_reduce_min(self.runner.determine_num_blocks())
+        if isinstance(call, AllocateKvCache):
+            return self.runner.allocate_kv_cache(call.num_blocks)
+        if isinstance(call, CaptureGraphs):
+            return self.runner.capture_graphs()
+        raise ValueError(f"unknown set-up call {call!r}")
 
     # -- one step ------------------------------------------------------------------------
     def _answer(self, handle: Any) -> None:
@@ -178,24 +181,24 @@ class _Worker:
         # two steps later); rank 0 sends the sampled tokens.
         result = handle.result()
         if self.rank == 0:
-            self.conn.send(("ok", result))
+            self.conn.send(Reply(result))
 
-    def launch(self, inputs, sample_rows, sampling, seq_ids, new_seqs, finished) -> Any:
-        """``sampling`` arrives without params and generators: they are looked up by the
-        sampled rows' sequence ids (``new_seqs`` brings those seen for the first time)."""
-        for seq_id in finished:
+    def launch(self, step: ExecuteStep) -> Any:
+        """``step.sampling`` arrives without params and generators: they are looked up by
+        the sampled rows' sequence ids (``new_seqs`` brings those seen for the first time)."""
+        for seq_id in step.finished:
             self.sequences.pop(seq_id, None)
-        for seq_id, (params, seed) in new_seqs.items():
+        for seq_id, new in step.new_seqs.items():
             generator = None
-            if seed is not None:
+            if new.seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-            self.sequences[seq_id] = (params, generator)
-        states = [self.sequences[seq_id] for seq_id in seq_ids]
+                generator.manual_seed(new.seed)
+            self.sequences[seq_id] = (new.params, generator)
+        states = [self.sequences[seq_id] for seq_id in step.seq_ids]
         sampling = replace(
-            sampling, params=[s[0] for s in states], generators=[s[1] for s in states]
+            step.sampling, params=[s[0] for s in states], generators=[s[1] for s in states]
         )
-        return self.runner.launch_inputs(inputs, sample_rows, sampling)
+        return self.runner.launch_inputs(step.inputs, step.sample_rows, sampling)
 
     def close(self) -> None:
         from inference.parallel_state import destroy_parallel

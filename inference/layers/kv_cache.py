@@ -1,4 +1,5 @@
-"""The KV cache's element type (``kv_cache_dtype``) and its FP8 scales.
+"""The KV cache: its size in bytes and its FP8 scales (``kv_cache_dtype``; the torch dtype
+is ``ResolvedEngineConfig.kv_cache_torch_dtype``).
 
 ``auto`` keeps keys and values in the model's dtype. ``fp8`` stores them as
 float8_e4m3fn (one byte an element: twice the tokens in the same memory) as
@@ -16,23 +17,12 @@ import math
 
 import torch
 
-from kernels.kv_cache import FP8_KV_DTYPE
-
 # Checkpoint tensor-name suffixes (after "self_attn.") -> which scale they set.
 _SCALE_NAMES = {
     "k_scale": "k", "v_scale": "v", "kv_scale": "kv",
     "attn.k_scale": "k", "attn.v_scale": "v", "attn.kv_scale": "kv",
     "k_proj.output_scale": "k", "v_proj.output_scale": "v",
 }  # fmt: skip
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's torch dtype for an ``EngineConfig.kv_cache_dtype`` value."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype == "fp8":
-        return FP8_KV_DTYPE
-    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

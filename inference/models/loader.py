@@ -14,7 +14,7 @@ from inference.models import get_model_class
 from inference.models.config import ModelConfig
 from inference.models.llama import LlamaForCausalLM
 from inference.parallel_state import SINGLE, ParallelContext
-from inference.quantization import checkpoint_scheme, fp8, resolve_quantization
+from inference.quantization import checkpoint_scheme, fp8
 
 
 class SafetensorsWeight:
@@ -75,10 +75,10 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model of ``folder`` on ``device``; ``quantization="fp8"``: its projections in
     FP8 (quantized here from a full-precision checkpoint, or as an FP8 checkpoint stores
-    them: ``inference.quantization``)."""
+    them: ``inference.quantization``). ``quantization`` is the scheme resolved for the
+    checkpoint (``EngineConfig.resolve``): an FP8 checkpoint's is always "fp8"."""
     folder = Path(folder)
     cls = get_model_class(config)
-    quantization = resolve_quantization(quantization, config.quantization_config)
     # Parameters are created uninitialised, straight on the target device and dtype.
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, max_position=max_position, parallel=parallel,

@@ -6,13 +6,14 @@ bucketed batch size, mixed steps by bucketed token count. A graph reads fixed bu
 each step is padded to its bucket in a way that leaves the real rows' results unchanged
 (``pad_step_inputs``, pure numpy and tested on CPU) and staged through pinned host
 buffers with one copy per group. It lives apart from the runner because none of it is
-about the model: it only needs the runner's ``forward`` and its sizes.
+about the model: it is handed the runner's ``forward``, the step sizes and the device,
+not the runner itself.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ import torch
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.runner.step_inputs import StepInputs
 
-if TYPE_CHECKING:
-    from inference.runner.model_runner import ModelRunner
+# The model over one step's tokens: (input ids, positions, attention metadata) -> hidden.
+StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 # Token counts at which mixed steps (prefills, chunked prefills, prefills with decodes)
@@ -81,16 +82,24 @@ class StepGraphs:
     Inputs live in static buffers that each step overwrites in place; outputs of padding
     rows are ignored."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        cfg = runner.config
-        device = runner.device
-        max_bs = cfg.max_num_seqs
+    def __init__(
+        self,
+        forward: StepForward,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        """``forward``: the model over a step (recorded into the graphs); the limits are
+        the scheduler's (``max_num_seqs``, ``max_num_batched_tokens``) and the block-table
+        width of the longest sequence."""
+        self.device = device
+        max_bs = max_num_seqs
         self.batch_sizes = sorted({b for b in DECODE_GRAPH_BATCHES if b <= max_bs} | {max_bs})
-        self.token_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= cfg.max_num_batched_tokens]
+        self.token_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
         self.max_seqs = max_bs + 1  # rows of a mixed step: the sequences, then the padding
         max_tokens = max([max_bs, *self.token_sizes])
-        max_blocks = -(-cfg.max_model_len // runner.block_size)
+        max_blocks = max_blocks_per_seq
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -129,12 +138,12 @@ class StepGraphs:
             for kind, size in shapes:
                 args = self._capture_inputs(kind, size)
                 t0 = time.perf_counter()
-                runner.forward(*args)  # compile/warm every kernel outside the capture
+                forward(*args)  # compile/warm every kernel outside the capture
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = runner.forward(*args)
+                    out = forward(*args)
                 self.graphs[kind, size] = (graph, out)
                 self.eager_seconds += t1 - t0
                 self.record_seconds += time.perf_counter() - t1
@@ -179,7 +188,7 @@ class StepGraphs:
         # Two sets used in turn, each reused once its last copies have run.
         which = self.num_runs % 2
         self.num_runs += 1
-        device = self.runner.device
+        device = self.device
         self.staged[which].synchronize()  # at once unless the GPU is two steps behind
         host_tokens, host_seqs = self.host_tokens[which], self.host_seqs[which]
         rows = size if decode else self.max_seqs

@@ -22,7 +22,7 @@ import torch
 
 from inference.config import ResolvedEngineConfig
 from inference.layers.attention_metadata import AttentionMetadata
-from inference.layers.kv_cache import kv_block_bytes, kv_cache_torch_dtype
+from inference.layers.kv_cache import kv_block_bytes
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
@@ -38,7 +38,7 @@ from inference.sampler import (
 )
 from inference.sequence import Sequence
 from inference.spec_decode.rejection import verify_rows
-from kernels._backend import kernel_for
+from kernels import warm_up_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +51,15 @@ class ModelRunner:
         config: ResolvedEngineConfig,
         model_config: ModelConfig,
         model_path: str,
-        device: torch.device,
-        dtype: torch.dtype,
         parallel: ParallelContext = SINGLE,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: a tensor-parallel rank's own GPU (default: ``config.device``)."""
         self.config = config
         self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        # The model's dtype, or float8_e4m3fn (kv_cache_dtype="fp8": half the bytes).
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        self.device = torch.device(config.device) if device is None else device
+        self.dtype = dtype = config.torch_dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype
         self.block_size = config.block_size
         # Tensor parallelism: this rank's share of the KV heads (all of them on one GPU).
         self.parallel = parallel
@@ -69,7 +68,7 @@ class ModelRunner:
         )
         start = time.perf_counter()
         self.model = load_model(
-            model_path, model_config, dtype, device, config.max_model_len, config.load_format,
+            model_path, model_config, dtype, self.device, config.max_model_len, config.load_format,
             parallel, config.quantization,
         )
         self.load_seconds = time.perf_counter() - start
@@ -78,7 +77,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
         # The last step's sampled ids, where the next step's placeholders read them.
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64,
+                                       device=self.device)  # fmt: skip
 
     # -- KV cache sizing ---------------------------------------------------------------
     @property
@@ -195,7 +195,10 @@ class ModelRunner:
         start = time.perf_counter()
         if not self.config.enforce_eager:
             before = torch.cuda.memory_reserved(self.device)
-            self.graphs = StepGraphs(self)
+            self.graphs = StepGraphs(
+                self.forward, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                -(-self.config.max_model_len // self.block_size), self.device,
+            )  # fmt: skip
             # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
             logger.info(
                 "CUDA graphs: %d decode (batch <= %d), %d mixed (tokens <= %d); %.2f GiB; "
@@ -216,18 +219,17 @@ class ModelRunner:
         ready: the kernel is specialised on its tiling and on how many segments the KV
         range is split into, and a variant first met by a request would stall every
         running sequence for the length of a Triton compile (about a second). The kernel
-        module lists its own variants (``tilings``); nothing to do without Triton. An FP8
-        cache is its own variant of each, compiled here with the model's query dtype."""
+        module lists its own variants; nothing to do without Triton. An FP8 cache is its own
+        variant of each, compiled here with the model's query dtype."""
         k_cache, v_cache = self.kv_caches[0]
-        ops = kernel_for("attention", k_cache)
-        if ops is None:
-            return
         layer = self.model.layers[0]
-        for decode in (False, True):
-            ops.warm_up(k_cache, v_cache, layer.num_heads, layer.scale,
-                        self.config.max_num_batched_tokens, decode, self.dtype,
-                        layer.k_scale, layer.v_scale)  # fmt: skip
-        if self.device.type == "cuda":
+        warmed = [
+            warm_up_paged_attention(k_cache, v_cache, layer.num_heads, layer.scale,
+                                    self.config.max_num_batched_tokens, decode, self.dtype,
+                                    layer.k_scale, layer.v_scale)
+            for decode in (False, True)
+        ]  # fmt: skip
+        if any(warmed) and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def forward(

@@ -158,7 +158,7 @@ def test_fp8_kv_against_the_float32_engine(tmp_path, caplog):
     outputs = {}
     budget = dict(cpu_kv_cache_gib=64 * 1024 / 2**30)  # 64 KiB: the budget binds
     for kv_cache_dtype in ("auto", "fp8"):
-        with caplog.at_level(logging.INFO, logger="inference.llm_engine"):
+        with caplog.at_level(logging.INFO, logger="inference.engine_setup"):
             eng = engine(folder, kv_cache_dtype=kv_cache_dtype, **budget)
         capacity = eng.num_total_blocks, eng.runner.bytes_per_block
         for i, prompt in enumerate(prompts):

@@ -29,7 +29,7 @@ def runner(tmp_path_factory) -> ModelRunner:
         max_num_batched_tokens=64, num_kv_blocks=32,
     )  # fmt: skip
     model_config = ModelConfig.from_folder(folder)
-    runner = ModelRunner(config, model_config, str(folder), torch.device("cpu"), torch.float32)
+    runner = ModelRunner(config.resolve(model_config), model_config, str(folder))
     runner.allocate_kv_cache(32)
     gen = torch.Generator().manual_seed(0)
     for k, v in runner.kv_caches:  # cached context for the sequences that have some

@@ -23,6 +23,18 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch: pytest.MonkeyPatch)
     assert not _backend.use_triton(torch.zeros(1))
 
 
+def test_attention_warm_up_is_nothing_where_the_reference_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kernels.warm_up_paged_attention``: the engine's way to compile the attention
+    variants, which does nothing (and says so) where no Triton kernel would run."""
+    from kernels import warm_up_paged_attention
+
+    monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
+    cache = torch.zeros(4, 16, 2, 64)
+    assert warm_up_paged_attention(cache, cache, 4, 0.125, 64, decode=True) == []
+
+
 def test_missing_triton_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_backend, "triton_available", lambda: False)
     assert not _backend.use_triton(torch.zeros(1))
