@@ -260,7 +260,7 @@ def test_closed_engine_refuses_work(llama_folder):
     llm.shutdown()
     llm.shutdown()  # idempotent
     assert all(not p.is_alive() and p.exitcode == 0 for p in processes)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
 
 
