@@ -170,7 +170,7 @@ def with_int4_tensors(entries: Iterable[tuple[str, object]], aux: dict[str, torc
     fmt = FORMATS[scheme.method]
     for name, weight in entries:
         suffix = name.rsplit(".", 1)[-1]
-        if suffix in fmt.AUX_NAMES:
+        if suffix in fmt.AUX_NAMES or _is_zero_extra_bias(name, weight):
             continue
         if suffix == fmt.PACKED_NAME:
             prefix = name[: -len(suffix)]
@@ -178,6 +178,22 @@ def with_int4_tensors(entries: Iterable[tuple[str, object]], aux: dict[str, torc
             yield prefix + "weight", Int4CheckpointWeight(weight, mine, scheme)
             continue
         yield name, weight
+
+
+# Projections no supported architecture gives a bias.
+_UNBIASED = ("o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _is_zero_extra_bias(name: str, weight) -> bool:
+    """An all-zero bias of a projection that has none: AutoGPTQ writes one for every
+    quantized linear of some models (vLLM skips them too)."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] != "bias" or parts[-2] not in _UNBIASED:
+        return False
+    tensor = weight if isinstance(weight, torch.Tensor) else weight.read()
+    if tensor.any():
+        raise ValueError(f"checkpoint tensor {name}: a bias this architecture does not have")
+    return True
 
 
 @torch.no_grad()

@@ -124,6 +124,24 @@ def test_act_order_that_differs_within_a_fused_projection_is_refused(source, tmp
         LLM(str(folder), **ENGINE)
 
 
+def test_zero_biases_gptq_writes_for_every_projection_are_skipped(source, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "gptq"
+    meant = write_int4_checkpoint(source, folder, "gptq-sym", 32)
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    for proj in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        tensors[f"model.layers.0.{proj}.bias"] = torch.zeros(
+            tensors[f"model.layers.0.{proj}.scales"].shape[1], dtype=torch.float16)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    assert max_difference(engine_prompt_logprobs(folder), reference_logprobs(source, meant)) < LOGPROB_TOL
+    tensors["model.layers.0.mlp.down_proj.bias"][0] = 1.0
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj.bias: a bias this architecture does not"):
+        LLM(str(folder), **ENGINE)
+
+
 def test_dummy_weights_load_for_benchmarks(source, tmp_path) -> None:
     folder = tmp_path / "ct"
     write_int4_checkpoint(source, folder, "ct-actorder", 32)
