@@ -164,11 +164,12 @@ TEXT = (
     "hundred years ago, but the building still stands, and today it holds a small museum "
     "about the history of the valley, its farms, and the families who have lived there."
 )
-# One layout by default (a minute on CPU); INT4_QUALITY_ALL=1 measures the README's table.
-SMOLLM2_LAYOUTS = [("awq", 64)] + ([
-    ("awq", 32), ("gptq-sym", 128), ("gptq-sym-actorder", 64), ("gptq-asym-actorder", 128),
-    ("ct-asym", 128), ("ct-sym", -1),
-] if os.environ.get("INT4_QUALITY_ALL") else [])  # fmt: skip
+# One layout by default (a minute on CPU); others on request, e.g.
+# INT4_QUALITY_LAYOUTS="gptq-sym-actorder:64,ct-sym:-1" (the README's table).
+SMOLLM2_LAYOUTS = [
+    (layout, int(size)) for layout, size in (
+        entry.split(":") for entry in os.environ.get("INT4_QUALITY_LAYOUTS", "awq:64").split(","))
+]  # fmt: skip
 # Loose: a wrong bit order or zero point gives KL of several nats; round-to-nearest
 # 4 bits in groups of 64 measured 0.26.
 MAX_KL, MAX_PERPLEXITY_RATIO = 1.0, 1.5
