@@ -154,3 +154,30 @@ def test_tp_size_that_splits_a_group_is_refused_at_configuration() -> None:
     # Act order keeps every group's scales on every rank: any TP size that splits K.
     EngineConfig("m", tensor_parallel_size=2).resolve(model(GPTQ | {"group_size": 64,
                                                                     "desc_act": True}), "cpu")
+
+
+@pytest.mark.parametrize(("name", "method"), [
+    ("qwen2.5-7b-awq", "awq"), ("llama-3-8b-gptq", "gptq"), ("qwen2.5-1.5b-w4a16", "compressed-tensors"),
+])  # fmt: skip
+def test_named_4bit_shapes_for_benchmarks(name: str, method: str) -> None:
+    """``pagoda bench latency --model qwen2.5-7b-awq``: the real shape, a published 4-bit
+    release's config, random weights; every layer's projections are int4 (built on the
+    meta device here: no memory)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from inference.model_shapes import resolve_shape_model
+    from inference.models.llama import DecoderLayer
+    from inference.quantization.int4 import Int4Weights
+
+    folder, extra = resolve_shape_model(name)
+    config = ModelConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+    assert extra == {"load_format": "dummy"}
+    assert EngineConfig("m").resolve(config, "cuda").quantization == method
+    with torch.device("meta"):
+        layer = DecoderLayer(config, quantization=method)
+    assert isinstance(layer.down_proj, Int4Weights)
+    assert layer.down_proj.qweight.shape == (config.hidden_size, config.intermediate_size // 8)
+    assert layer.down_proj.scales.shape == (config.hidden_size, config.intermediate_size // 128)
