@@ -21,7 +21,7 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from inference.quantization import QUANTIZATION_METHODS, resolve_quantization
+from inference.quantization import QUANTIZATION_METHODS, check_sharding, resolve_quantization
 from inference.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -94,7 +94,9 @@ class EngineConfig:
             "weight quantization: fp8 quantizes a bf16/fp16/fp32 checkpoint's linear "
             "projections to float8_e4m3 at load (per-channel weight scales, per-token dynamic "
             "activation scales); default: the checkpoint's own (FP8 checkpoints in the Hugging "
-            "Face fp8 or compressed-tensors format load as fp8)", choices=QUANTIZATION_METHODS))
+            "Face fp8 or compressed-tensors format load as fp8; 4-bit AWQ, GPTQ and "
+            "compressed-tensors W4A16 checkpoints as awq, gptq, compressed-tensors)",
+            choices=QUANTIZATION_METHODS))
     seed: int = field(default=0, metadata=_flag("random seed of the engine"))
     device: str = field(
         default="auto", metadata=_flag("where the engine runs (auto: a GPU when there is one)",
@@ -234,6 +236,7 @@ class EngineConfig:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[on], max_num_seqs)
         given = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        check_sharding(model_config.quantization_config, model_config, self.tensor_parallel_size)
         return ResolvedEngineConfig(**{
             **given,
             "max_model_len": self.max_model_len or limit,

@@ -1,6 +1,8 @@
 """Named real-model shapes (``qwen2.5-1.5b``, ``qwen2.5-7b``, ``llama-3-8b``) served or
 benchmarked with random weights: the name resolves to a folder holding the exact
-config.json (and, for the server, a word-level tokenizer of the exact vocabulary)."""
+config.json (and, for the server, a word-level tokenizer of the exact vocabulary).
+A 4-bit suffix (``qwen2.5-7b-awq``, ``-gptq``, ``-w4a16``) adds the quantization_config of
+a published 4-bit release (groups of 128), so that the int4 kernels run at real shapes."""
 
 from __future__ import annotations
 
@@ -35,18 +37,44 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# quantization_config of the 4-bit releases, by shape-name suffix (as AutoAWQ, AutoGPTQ
+# and llm-compressor's W4A16 scheme write them).
+INT4_SHAPE_SUFFIXES: dict[str, dict[str, Any]] = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+             "desc_act": False},
+    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": 128}}}},
+}  # fmt: skip
+
+
+def shape_config(model: str) -> dict[str, Any] | None:
+    """The config.json of a named shape (with a 4-bit suffix's quantization_config), or
+    None for anything else."""
+    if model in SHAPES:
+        return SHAPES[model]
+    base, _, suffix = model.rpartition("-")
+    if base in SHAPES and suffix in INT4_SHAPE_SUFFIXES:
+        return SHAPES[base] | {"quantization_config": INT4_SHAPE_SUFFIXES[suffix]}
+    return None
+
+
 def resolve_shape_model(model: str, with_tokenizer: bool = False) -> tuple[str, dict[str, Any]]:
     """A named shape becomes a folder holding its config.json (and, for the server, a
     synthetic tokenizer in ``tokenizer/``), loaded with random weights; anything else is a model folder
     loaded as usual."""
-    if model in SHAPES:
+    shape = shape_config(model)
+    if shape is not None:
         folder = Path(tempfile.mkdtemp(prefix=f"pagoda-{model}-"))
-        (folder / "config.json").write_text(json.dumps(SHAPES[model]))
+        (folder / "config.json").write_text(json.dumps(shape))
         if with_tokenizer:
             # Its own folder: beside config.json, AutoTokenizer would pick the model
             # family's tokenizer class instead of this one.
-            write_synthetic_tokenizer(folder / "tokenizer", SHAPES[model]["vocab_size"],
-                                      SHAPES[model]["eos_token_id"])
+            write_synthetic_tokenizer(folder / "tokenizer", shape["vocab_size"],
+                                      shape["eos_token_id"])
         return str(folder), {"load_format": "dummy"}
     return model, {}
 

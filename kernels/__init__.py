@@ -16,6 +16,7 @@ from kernels.attention import paged_attention, paged_attention_ref, warm_up_page
 from kernels.fp8_linear import MAX_M as FP8_SKINNY_MAX_M
 from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
 from kernels.fp8_quant import Fp8Activations
+from kernels.int4_linear import int4_linear, int4_linear_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from kernels.linear import (
     linear,
@@ -51,6 +52,8 @@ __all__ = [
     "fused_add_rms_norm_fp8",
     "fused_add_rms_norm_fp8_ref",
     "fused_add_rms_norm_ref",
+    "int4_linear",
+    "int4_linear_ref",
     "linear",
     "linear_ref",
     "linear_silu_and_mul",

@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
     ("inference.models",),  # model families, weight loading
-    ("inference.quantization",),  # FP8 weights: their layout, filled from a checkpoint
+    ("inference.quantization",),  # FP8 and int4 weights: their layouts, filled from a checkpoint
     ("inference.layers",),  # attention metadata, embedding, rotary
     # a step's bookkeeping: batching and KV blocks; what the sampled tokens mean for requests
     ("inference.scheduler", "inference.output_processor", "inference.spec_decode"),
@@ -47,7 +47,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine_messages",),  # engine process <-> server
     ("inference.config",),  # EngineConfig
     ("inference.spec_decode.config",),  # speculative_config, parsed
-    ("inference.quantization.__init__",),  # which quantization a checkpoint asks for
+    # which quantization a checkpoint asks for (torch-free)
+    ("inference.quantization.__init__", "inference.quantization.int4_config"),
     (  # what a model is and where it comes from
         "inference.models.config", "inference.model_files", "inference.model_shapes",
         "inference.download",

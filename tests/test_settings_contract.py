@@ -43,6 +43,7 @@ EVERY_KNOB = {
     "maxQueueLen": 100,
     "dtype": "bfloat16",
     "kvCacheDtype": "fp8",
+    "quantization": "fp8",
     "device": "cuda",
     "enablePrefixCaching": False,
     "toolCallParser": "llama3_json",
@@ -58,6 +59,7 @@ ENGINE_FIELDS = {
     "maxModelLen": "max_model_len",
     "dtype": "dtype",
     "kvCacheDtype": "kv_cache_dtype",
+    "quantization": "quantization",
     "device": "device",
     "enablePrefixCaching": "enable_prefix_caching",
 }
@@ -161,6 +163,9 @@ def test_crd_defaults_are_the_engines(copy_name: str) -> None:
     assert properties["kvCacheDtype"]["enum"] == list(
         EngineConfig.__dataclass_fields__["kv_cache_dtype"].metadata["choices"]
     )
+    assert properties["quantization"]["enum"] == list(operator_spec.QUANTIZATION_METHODS) == list(
+        EngineConfig.__dataclass_fields__["quantization"].metadata["choices"]
+    )
     assert properties["device"]["enum"] == list(
         EngineConfig.__dataclass_fields__["device"].metadata["choices"]
     )
@@ -170,5 +175,18 @@ def test_default_kv_cache_dtype_adds_no_flag() -> None:
     """Deployments made before kvCacheDtype existed keep their arguments (no rollout on an
     operator upgrade); the engine's default is the CRD's."""
     assert "--kv-cache-dtype" not in deployment_args({})
+    assert "--quantization" not in deployment_args({})
     _, resolved = parse_and_resolve(deployment_args({}))
-    assert resolved.kv_cache_dtype == "auto"
+    assert resolved.kv_cache_dtype == "auto" and resolved.quantization is None
+
+
+def test_quantization_reaches_the_engine_and_bad_values_are_refused() -> None:
+    """spec.engine.quantization becomes --quantization; the operator's own check refuses
+    what the CRD's enum would (the spec validated before any Deployment is written)."""
+    args = deployment_args({"quantization": "awq"})
+    assert args[args.index("--quantization") + 1] == "awq"
+    errors = operator_spec.validate_spec(operator_spec.with_defaults(
+        {"model": {"name": "m"}, "engine": {"quantization": "int4"}}))
+    assert any(e.startswith("spec.engine.quantization: must be one of fp8, awq") for e in errors)
+    assert operator_spec.validate_spec(operator_spec.with_defaults(
+        {"model": {"name": "m"}, "engine": {"quantization": "gptq"}})) == []

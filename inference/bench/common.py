@@ -85,7 +85,8 @@ def add_engine_args(parser) -> None:
     """The model (a folder or a named shape) and every engine flag of ``pagoda serve``."""
     parser.add_argument("--model", default=None,
                         help=f"model folder, 'default' (the embedded SmolLM2-135M-Instruct) or "
-                        f"a named shape with random weights: {', '.join(SHAPES)} (default: "
+                        f"a named shape with random weights: {', '.join(SHAPES)}, each also with "
+                        f"a 4-bit suffix -awq, -gptq or -w4a16 (default: "
                         f"{GPU_DEFAULT_MODEL} on a GPU, the embedded model on CPU)")
     config.add_engine_args(parser, exclude=("served_model_name",))
     add_output_args(parser)

@@ -19,6 +19,10 @@ step's projection would quantize its input in a launch of its own
 (``kernels.wants_fp8_input``), the op before it writes that input quantized instead: the
 input norm for qkv, the post-attention norm for gate_up, and SiLU-and-mul for down past
 decode-sized steps (the bf16 residual stream is the same either way).
+
+4-bit weights (an AWQ, GPTQ or compressed-tensors checkpoint): the four projections are
+``quantization.int4.Int4Weights`` modules (packed codes, group scales and zero points, run
+through ``kernels.int4_linear``); activations stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from inference.parallel_state import (
     kv_head_range,
     vocab_range,
 )
-from inference.quantization import fp8
+from inference.quantization import INT4_METHODS, checkpoint_scheme, fp8, int4
 from kernels.linear import MAX_M as SKINNY_MAX_M
 
 # Decode-sized steps go through kernels.linear (a Triton skinny GEMM where it beats cuBLAS);
@@ -48,11 +52,13 @@ _SKINNY_MAX_TOKENS = SKINNY_MAX_M
 
 def _linear(
     x: torch.Tensor | kernels.Fp8Activations,
-    weight: torch.Tensor,
+    weight: torch.Tensor | int4.Int4Weights,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if isinstance(weight, int4.Int4Weights):
+        return weight(x, bias, out)
     if scale is not None:  # an FP8 projection
         return kernels.fp8_linear(x, weight, scale, bias, out)
     if x.shape[0] <= _SKINNY_MAX_TOKENS:
@@ -94,7 +100,14 @@ class DecoderLayer(nn.Module):
             "down_proj": (cfg.hidden_size, intermediate),
         }
         quantized = quantization == "fp8"
+        int4_scheme = checkpoint_scheme(cfg.quantization_config) if (
+            quantization in INT4_METHODS) else None  # fmt: skip
         for name, (rows, cols) in shapes.items():
+            if int4_scheme is not None:
+                full = cols * world if name in ("o_proj", "down_proj") else cols
+                setattr(self, name, int4.Int4Weights(rows, cols, full, int4_scheme, name))
+                setattr(self, name + "_scale", None)
+                continue
             setattr(self, name, _empty(rows, cols, dtype=fp8.FP8_DTYPE if quantized else None))
             setattr(self, name + "_scale",
                     _empty(rows, dtype=torch.float32) if quantized else None)  # fmt: skip
@@ -127,6 +140,8 @@ class DecoderLayer(nn.Module):
         if self.gate_up_proj_scale is not None:
             gate_up = kernels.fp8_linear(normed, self.gate_up_proj, self.gate_up_proj_scale)
             gated = (kernels.silu_and_mul_fp8 if fp8_down else kernels.silu_and_mul)(gate_up)
+        elif isinstance(self.gate_up_proj, int4.Int4Weights):
+            gated = kernels.silu_and_mul(self.gate_up_proj(normed))
         elif num_tokens <= _SKINNY_MAX_TOKENS:
             gated = kernels.linear_silu_and_mul(normed, self.gate_up_proj)
         else:
@@ -260,12 +275,20 @@ class LlamaForCausalLM(nn.Module):
             if placement is None:
                 continue
             target, rows, source = placement
+            projection = int4_projection(self, target)
+            if projection is not None:
+                int4.load_projection(projection, rows, weight, source, name)
+                loaded.add(f"{target}:{rows}")
+                continue
             param = self.get_parameter(target)
             if param.dtype == fp8.FP8_DTYPE:
                 scale = self.get_parameter(target + "_scale")
                 fp8.load_projection(param, scale, rows, weight, source, name)
                 loaded.add(f"{target}:{rows}")
                 continue
+            if isinstance(weight, int4.Int4CheckpointWeight):
+                raise ValueError(f"weight {name}: 4-bit in the checkpoint, but this engine "
+                                 "keeps it in full precision (embeddings, LM head, norms)")
             if isinstance(weight, fp8.Fp8CheckpointWeight):
                 raise ValueError(f"weight {name}: FP8 in the checkpoint, but this engine "
                                  "keeps it in full precision (embeddings, LM head, norms)")
@@ -380,6 +403,13 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint provided {len(loaded)} of {expected} weight tensors; "
                 "some weights are missing"
             )
+
+
+def int4_projection(model: nn.Module, target: str) -> int4.Int4Weights | None:
+    """The 4-bit projection module named ``target``, or None for a parameter."""
+    parent, _, leaf = target.rpartition(".")
+    found = getattr(model.get_submodule(parent) if parent else model, leaf, None)
+    return found if isinstance(found, int4.Int4Weights) else None
 
 
 # (dim, start, length) of a checkpoint tensor; dim None: the whole tensor.

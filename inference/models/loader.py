@@ -14,7 +14,12 @@ from inference.models import get_model_class
 from inference.models.config import ModelConfig
 from inference.models.llama import LlamaForCausalLM
 from inference.parallel_state import SINGLE, ParallelContext
-from inference.quantization import checkpoint_scheme, fp8
+from inference.quantization import (
+    Int4Checkpoint,
+    checkpoint_scheme,
+    fp8,
+    int4,
+)
 
 
 class SafetensorsWeight:
@@ -94,7 +99,14 @@ def load_model(
 
 def _fill_dummy(model: LlamaForCausalLM) -> None:
     """Benchmarks of real model shapes: speed does not depend on the values."""
+    int4_params = set()
+    for module in model.modules():
+        if isinstance(module, int4.Int4Weights):
+            int4.fill_dummy(module, std=0.02)
+            int4_params.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
+        if id(param) in int4_params:
+            continue
         if param.dtype == fp8.FP8_DTYPE:
             fp8.fill_dummy(param, model.get_parameter(name + "_scale"), std=0.02)
         elif not name.endswith("_scale"):
@@ -107,6 +119,10 @@ def _checkpoint_weights(folder: Path, device: torch.device, config: ModelConfig)
     scheme = checkpoint_scheme(config.quantization_config)
     if scheme is None:
         return iter_safetensors(folder, device)
+    if isinstance(scheme, Int4Checkpoint):
+        aux = {name: weight.read() for name, weight in iter_safetensors(folder, device)
+               if int4.is_aux_name(name, scheme)}  # fmt: skip
+        return int4.with_int4_tensors(iter_safetensors(folder, device), aux, scheme)
     scales = {name: weight.read() for name, weight in iter_safetensors(folder, device)
               if fp8.is_scale_name(name)}  # fmt: skip
     return fp8.with_checkpoint_scales(iter_safetensors(folder, device), scales, scheme)

@@ -266,10 +266,10 @@ def _model_source(args: argparse.Namespace) -> tuple[str, str | None, str]:
     """(model folder, tokenizer, load format). A named benchmark shape (qwen2.5-1.5b, ...)
     serves random weights of that exact shape with a synthetic tokenizer of its exact
     vocabulary (one word per id), unless --tokenizer names a real one."""
-    from inference.model_shapes import SHAPES, resolve_shape_model
+    from inference.model_shapes import resolve_shape_model, shape_config
 
     load_format = args.load_format or "auto"
-    if args.model not in SHAPES:
+    if shape_config(args.model) is None:
         return args.model, args.tokenizer, load_format
     folder, extra = resolve_shape_model(args.model, with_tokenizer=args.tokenizer is None)
     tokenizer = args.tokenizer or str(Path(folder) / "tokenizer")

@@ -71,6 +71,8 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     # template (no rollout on an operator upgrade).
     if engine.get("kvCacheDtype", "auto") != "auto":
         args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
+    if engine.get("quantization") is not None:
+        args += ["--quantization", engine["quantization"]]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).

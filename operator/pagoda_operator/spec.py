@@ -21,6 +21,8 @@ DEVICES = ("auto", "cuda", "cpu")
 # `pagoda serve --tool-call-parser` choices (the contract test keeps them the server's).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# The engine's --quantization choices (tests/test_settings_contract.py keeps them equal).
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -40,6 +42,7 @@ MANAGED_FLAGS = (
     "--max-model-len",
     "--dtype",
     "--kv-cache-dtype",
+    "--quantization",
     "--device",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
@@ -253,6 +256,10 @@ def _engine_errors(engine: dict[str, Any]) -> list[str]:
         errors.append(f"spec.engine.dtype: must be one of {', '.join(DTYPES)}")
     if engine.get("kvCacheDtype", "auto") not in KV_CACHE_DTYPES:
         errors.append(f"spec.engine.kvCacheDtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
+    quantization = engine.get("quantization")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        errors.append(f"spec.engine.quantization: must be one of {', '.join(QUANTIZATION_METHODS)}"
+                      f" (got {quantization!r})")
     if engine.get("device") not in DEVICES:
         errors.append(f"spec.engine.device: must be one of {', '.join(DEVICES)}")
     parser = engine.get("toolCallParser")

@@ -88,13 +88,13 @@ def test_greedy_decoding_runs_on_an_fp8_checkpoint(source, tmp_path) -> None:
 
 
 def test_unsupported_checkpoints_fail_at_load(source, tmp_path) -> None:
-    awq = tmp_path / "awq"
-    write_fp8_checkpoint(source, awq, "ct-channel")
-    config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    (awq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'awq'.*supported: quant_method \"fp8\""):
-        LLM(str(awq), **ENGINE)
+    bnb = tmp_path / "bitsandbytes"
+    write_fp8_checkpoint(source, bnb, "ct-channel")
+    config = json.loads((bnb / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (bnb / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'bitsandbytes'.*supported: quant_method \"fp8\""):
+        LLM(str(bnb), **ENGINE)
     # A checkpoint whose tensors carry static activation scales its config does not declare.
     static = tmp_path / "static"
     write_fp8_checkpoint(source, static, "ct-channel")

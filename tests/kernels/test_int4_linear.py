@@ -1,0 +1,139 @@
+"""Int4 linear (``kernels.int4_linear``): the Triton GEMV and GEMM (interpreter, tiny
+shapes) and the float32 reference against the layout's definition in float64, for every
+group size (32, 64, 128, per channel), act-order g_idx, K not a multiple of the block, and
+batches on both sides of the GEMV/GEMM switch."""
+
+import pytest
+import torch
+
+from kernels import int4_linear, int4_linear_ref
+from kernels.int4_linear import GEMV_MAX_M
+
+# float32 sums in another order than float64's; bf16: the output's (and, in the GEMM, the
+# dequantized weight tile's) rounding.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def layout(n: int, k: int, group_size: int, act_order: bool, seed: int):
+    """Random codes, scales and zero points in the kernels' layout, and the float64 weight
+    they mean (decoded here with plain integer arithmetic, not the kernels' helpers)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group_size)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) + 0.5) / 16 / k**0.5
+    zeros = torch.randint(0, 17, (n, groups), generator=gen)  # 16: GPTQ v1's 15 + 1
+    padded = torch.zeros(n, -(-k // 8) * 8, dtype=torch.int64)
+    padded[:, :k] = codes
+    words = sum(padded[:, i::8] << (4 * i) for i in range(8))
+    qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    g_idx = None
+    of_input = torch.arange(k) // group_size
+    if act_order:  # groups of a desc_act checkpoint: a permutation of k // group_size
+        of_input = of_input[torch.randperm(k, generator=gen)]
+        g_idx = of_input.to(torch.int32)
+    weight = (codes.double() - zeros[:, of_input].double()) * scales[:, of_input].double()
+    return (qweight, scales.float().contiguous(), zeros.to(torch.uint8), g_idx), weight
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return ((out.double() - want).norm() / want.norm()).item()
+
+
+@pytest.fixture
+def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    from kernels._triton import int4_linear as triton_int4
+
+    calls: list[bool] = []
+    original = triton_int4.int4_linear
+
+    def spy(*args, gemv):  # type: ignore[no-untyped-def]
+        calls.append(gemv)
+        return original(*args, gemv=gemv)
+
+    monkeypatch.setattr(triton_int4, "int4_linear", spy)
+    return calls
+
+
+# (N, K, group size): K a multiple of neither block (64) nor, per channel, of 8.
+SHAPES = [(40, 160, 32), (33, 192, 64), (24, 384, 128), (40, 100, -1)]
+
+
+@pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
+@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_M + 1, 33])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) -> None:
+    if act_order and group_size == -1:
+        pytest.skip("one group: nothing to order")
+    size = k if group_size == -1 else group_size
+    (qweight, scales, zeros, g_idx), weight = layout(n, k, size, act_order, seed=m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n) if m % 2 else None
+    want = x.double() @ weight.T + (0 if bias is None else bias.double())
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        bd = None if bias is None else bias.to(dtype)
+        out = int4_linear(xd, qweight, scales, zeros, size, g_idx, bd)
+        assert triton_calls[-1] == (m <= GEMV_MAX_M)
+        assert out.dtype == dtype and out.shape == (m, n)
+        exact = (xd.double() @ weight.T + (0 if bd is None else bd.double()))
+        assert rel_err(out, exact) < TOLERANCE[dtype], (dtype, rel_err(out, exact))
+        ref = int4_linear_ref(xd, qweight, scales, zeros, size, g_idx, bd)
+        assert rel_err(ref, exact) < TOLERANCE[dtype]
+    assert rel_err(int4_linear_ref(x, qweight, scales, zeros, size, g_idx, bias), want) < 2e-6
+
+
+def test_out_buffer_and_leading_dims(triton_calls) -> None:
+    (qweight, scales, zeros, g_idx), weight = layout(16, 64, 32, False, seed=1)
+    x = torch.randn(2, 3, 64)
+    out = torch.empty(2, 3, 16)
+    result = int4_linear(x, qweight, scales, zeros, 32, out=out)
+    assert result.data_ptr() == out.data_ptr() and triton_calls == [True]
+    assert rel_err(out.reshape(6, 16), x.reshape(6, 64).double() @ weight.T) < 2e-5
+
+
+def test_bad_layouts_are_refused() -> None:
+    (qweight, scales, zeros, _), _ = layout(16, 64, 32, False, seed=2)
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="qweight must be int32"):
+        int4_linear(x, qweight[:, :4].contiguous(), scales, zeros, 32)
+    with pytest.raises(ValueError, match="group_size 16 needs more"):
+        int4_linear(x, qweight, scales, zeros, 16)
+    with pytest.raises(ValueError, match="g_idx must be int32"):
+        int4_linear(x, qweight, scales, zeros, 32, torch.zeros(64, dtype=torch.int64))
+
+
+# Compiled, not interpreted, for an H200 (sm_90, Triton's bundled ptxas): the interpreter
+# accepts code the compiler refuses. bf16 activations, with and without g_idx.
+AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels._triton import int4_linear as k
+
+ARGS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8",
+        "g_idx_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        **{i: "i32" for i in ("M", "N", "K", "stride_x", "stride_q", "num_groups")}}
+
+def build(kernel, consts):
+    types = {a: t for a, t in ARGS.items() if a in kernel.arg_names}
+    signature = {**types, **{c: "constexpr" for c in consts}}
+    constexprs = {(kernel.arg_names.index(c),): v for c, v in consts.items()}
+    src = ASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": 2})
+
+for g_idx in (False, True):
+    flags = dict(GROUP_SIZE=128, HAS_G_IDX=g_idx, HAS_BIAS=not g_idx)
+    build(k._int4_gemv_kernel, flags | dict(BLOCK_N=32, BLOCK_K=64))
+    gemm = build(k._int4_gemm_kernel, flags | dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
+                                                   PRECISION="tf32"))
+    assert "mma" in gemm.asm["ptx"], "the GEMM must run on the tensor cores"
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_hopper() -> None:
+    from hopper_compile import run_compile_script
+
+    done = run_compile_script(AOT_SCRIPT)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
