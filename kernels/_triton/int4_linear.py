@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.pdl import launch_pdl, wait_for_inputs
+
 
 @triton.jit
 def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, offs_k, offs_n, N, K,
@@ -35,6 +37,7 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias
                       HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One program: BLOCK_N outputs of one row of x, float32 multiply-adds over K."""
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,6 +61,7 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias
                       PRECISION: tl.constexpr):  # fmt: skip
     """One program: a [BLOCK_M, BLOCK_N] tile of the output; weight tiles dequantized to
     x's dtype for the tensor cores, float32 accumulation."""
+    wait_for_inputs()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,7 +100,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         grid = (triton.cdiv(n, block_n), m)
         _int4_gemv_kernel[grid](x, qweight, scales, zeros, g_idx_arg, bias_arg, out, n, k,
                                 x.stride(0), qweight.stride(0), scales.shape[1],
-                                BLOCK_N=block_n, BLOCK_K=64, **common)  # fmt: skip
+                                BLOCK_N=block_n, BLOCK_K=64, launch_pdl=launch_pdl(out),
+                                **common)  # fmt: skip
         return out
     block_m, block_n, block_k = 32, 64, 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
@@ -104,5 +109,6 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _int4_gemm_kernel[grid](x, qweight, scales, zeros, g_idx_arg, bias_arg, out, m, n, k,
                             x.stride(0), qweight.stride(0), scales.shape[1],
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                            PRECISION=precision, **common)  # fmt: skip
+                            PRECISION=precision, launch_pdl=launch_pdl(out),
+                            **common)  # fmt: skip
     return out
