@@ -36,3 +36,66 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         drop = set(map(id, deselected))
         items[:] = [item for item in items if id(item) not in drop]
         config.hook.pytest_deselected(items=deselected)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ieee_fp32():
+    # References must be true float32: no TF32 in transformers' matmuls.
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    # Each engine sizes its KV cache from the free memory: the previous one must be gone.
+    yield
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- models the GPU test files share (built once per session) -------------------------
+@pytest.fixture(scope="session")
+def qwen_1p5b_shape(tmp_path_factory):
+    """Random Qwen2 in Qwen2.5-1.5B's per-layer shapes, 6 layers, float32; q/k weights
+    with std 0.05 (the rest 0.02) so that attention is sharp."""
+    import torch
+    import transformers
+    from differential import Reference
+
+    folder = tmp_path_factory.mktemp("qwen-1.5b-shape")
+    config = transformers.Qwen2Config(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=6,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4608,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
+        bos_token_id=151643, eos_token_id=151645,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.05)
+            layer.self_attn.k_proj.weight.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return str(folder), Reference(model.to("cuda"), "cuda")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """The matrix's tiny models (gpu_matrix.MODELS): {arch: (folder, transformers model)}."""
+    from gpu_matrix import MAX_MODEL_LEN, MODELS
+    from tiny_models import build_tiny_model
+
+    built = {}
+    for arch, shape in MODELS.items():
+        folder = tmp_path_factory.mktemp(f"diff-{arch}")
+        model = build_tiny_model(folder, arch, seed=5, initializer_range=0.02,
+                                 max_position_embeddings=MAX_MODEL_LEN, **shape)
+        built[arch] = (str(folder), model)
+    return built

@@ -4,7 +4,7 @@
 # GPUs it runs as concurrent pytest processes: the single-GPU tests in six shards, three per
 # GPU (tests/gpu/conftest.py), and the tensor-parallel tests in two shards over both GPUs.
 # The tests size their KV caches in blocks, so engines sharing a GPU do not count each
-# other's caches against gpu_memory_utilization. On one GPU everything runs in turn.
+# other's caches against gpu_memory_utilization. On one GPU, four shards share it.
 # Exit status: non-zero when any part failed. Logs: $OUT/gpu-suite-*.log (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
@@ -24,7 +24,11 @@ if (( gpus >= 2 )); then
   done
   for job in $(jobs -p); do wait "$job" || status=1; done
 else
-  "${PYTEST[@]}" tests/gpu > "$OUT/gpu-suite.log" 2>&1 || status=1
+  # One GPU: four shards at once all the same (the engines are sized in blocks).
+  for i in 0 1 2 3; do
+    PAGODA_GPU_SHARD=$i/4 "${PYTEST[@]}" tests/gpu > "$OUT/gpu-suite-shard$i.log" 2>&1 &
+  done
+  for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 for log in "$OUT"/gpu-suite*.log; do
   echo "$(basename "$log"): $(grep -E "passed|failed|error" "$log" | tail -1)"

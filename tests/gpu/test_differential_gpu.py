@@ -13,9 +13,6 @@ budgets of 128 and 256.
 
 from __future__ import annotations
 
-import gc
-import itertools
-
 import pytest
 import torch
 from differential import (
@@ -29,65 +26,26 @@ from differential import (
     random_workload,
     run_workload,
     setting_id,
-    settings_matrix,
 )
-from tiny_models import build_tiny_model
+from gpu_matrix import (
+    ARCHS,
+    FP32_TOL,
+    GPU_MATRIX,
+    MAX_MODEL_LEN,
+    cuda_engine,
+    run_matrix_row,
+    sizes,
+)
 
 from inference import SamplingParams
-from inference.config import EngineConfig
-from inference.llm_engine import LLMEngine
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
 ]
 
-FP32_TOL = 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _ieee_fp32():
-    # The reference must be true float32: no TF32 in transformers' matmuls.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    # Each engine sizes its KV cache from the free memory: the previous one must be gone.
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _engine(folder: str, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(folder, device="cuda", **kwargs))
-
 
 # -- the reproduction -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen_1p5b_shape(tmp_path_factory):
-    """Random Qwen2 in Qwen2.5-1.5B's per-layer shapes, 6 layers, float32; q/k weights
-    with std 0.05 (the rest 0.02) so that attention is sharp."""
-    import transformers
-
-    folder = tmp_path_factory.mktemp("qwen-1.5b-shape")
-    config = transformers.Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=6,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4608,
-        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
-        bos_token_id=151643, eos_token_id=151645,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.normal_(0, 0.05)
-            layer.self_attn.k_proj.weight.normal_(0, 0.05)
-    model.save_pretrained(folder)
-    return str(folder), Reference(model.to("cuda"), "cuda")
-
-
 def _shared_prefix_workload(seed: int = 0) -> Workload:
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, 151000, (1000,), generator=gen).tolist()
@@ -105,7 +63,7 @@ def _shared_prefix_workload(seed: int = 0) -> Workload:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_shared_prefix_small_budget(qwen_1p5b_shape, budget, prefix_caching):
     folder, reference = qwen_1p5b_shape
-    engine = _engine(folder, dtype="float32", max_model_len=4608, max_num_seqs=64,
+    engine = cuda_engine(folder, dtype="float32", max_model_len=4608, max_num_seqs=64,
                      max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
                      num_kv_blocks=4096)
     workload = _shared_prefix_workload()
@@ -128,7 +86,7 @@ def test_real_shapes_bf16(qwen_1p5b_shape, quantization):
     0.40 (noise 0.63) for FP8, whose every activation rounding to e4m3 turns bfloat16's
     differences into fp8 steps."""
     folder, reference = qwen_1p5b_shape
-    engine = _engine(folder, dtype="bfloat16", quantization=quantization, max_model_len=1024,
+    engine = cuda_engine(folder, dtype="bfloat16", quantization=quantization, max_model_len=1024,
                      max_num_seqs=8, num_kv_blocks=1024)  # fmt: skip
     try:
         workload = random_workload(7000, vocab_size=151000, max_model_len=1024, block_size=16,
@@ -155,83 +113,12 @@ def test_real_shapes_bf16(qwen_1p5b_shape, quantization):
     assert report.max_regret <= max(20 * noise, 0.5), (label, report.summary(), noise)
 
 
-# -- the matrix -----------------------------------------------------------------------
-MAX_MODEL_LEN = 1536
-# Head dims 64 and 128; GQA ratios 1, 2, 4 and 8; q/k norms (Qwen3); q/k/v biases (Qwen2).
-# Weights of realistic size (std 0.02), queries and keys scaled until the largest attention
-# weight of a row averages 0.5-0.9: sharp, yet not so sharp that float32 rounding alone
-# moves a logprob by 1e-3.
-MODELS = {
-    "llama": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                  qk_scale=5.0),
-    "mistral": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
-                    head_dim=128, qk_scale=5.0),
-    "qwen2": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=1,
-                  qk_scale=4.0),
-    "qwen3": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                  qk_scale=3.0),
-}  # fmt: skip
-ARCHS = list(MODELS)
-
-
-def _gpu_matrix() -> list[dict]:
-    """Budget x caching x async x eager in full; block size and forced preemption each
-    cycle through both values across those rows (every pair of them appears)."""
-    rows = settings_matrix(block_sizes=(16,), preemption=(False,))
-    pairs = list(itertools.product((16, 32), (False, True)))
-    for i, row in enumerate(rows):
-        row["block_size"], row["preempt"] = pairs[(i + i // 4) % 4]
-    return rows
-
-
-GPU_MATRIX = _gpu_matrix()
-
-
-def _sizes(setting: dict) -> dict:
-    """max_num_seqs 48, or the row's token budget when that is smaller (a step holds one
-    token per running sequence at least: the engine rejects max_num_seqs above the budget);
-    a KV cache of a fixed number of blocks that holds every sequence at full length (unless
-    the row forces preemption), so that several engines share a GPU (run_suite.sh): sizing
-    from gpu_memory_utilization would count the other processes' caches against this one."""
-    max_num_seqs = min(48, setting["max_num_batched_tokens"] or 48)
-    blocks = -(-MAX_MODEL_LEN // setting["block_size"]) * max_num_seqs + 64
-    return dict(max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    built = {}
-    for arch, shape in MODELS.items():
-        folder = tmp_path_factory.mktemp(f"diff-{arch}")
-        model = build_tiny_model(folder, arch, seed=5, initializer_range=0.02,
-                                 max_position_embeddings=MAX_MODEL_LEN, **shape)
-        built[arch] = (str(folder), model)
-    return built
-
-
-def _run_matrix_row(models, index, setting, dtype="float32", quantization=None, seed=2000):
-    arch = ARCHS[index % len(ARCHS)]
-    folder, model = models[arch]
-    engine = _engine(folder, dtype=dtype, quantization=quantization, max_model_len=MAX_MODEL_LEN,
-                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
-    workload = random_workload(
-        seed + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
-        block_size=setting["block_size"], num_requests=24, max_new_tokens=24,
-    )
-    results = run_workload(engine, workload)
-    check_results_complete(workload, results)
-    free, total = engine.block_manager.num_free_blocks, engine.num_total_blocks
-    preemptions = engine.stats().num_preemptions_total
-    engine.shutdown()
-    assert free == total
-    return arch, model, results, preemptions, workload
-
-
+# -- the matrix (gpu_matrix.py) ------------------------------------------------------
 @pytest.mark.parametrize(
     "index,setting", list(enumerate(GPU_MATRIX)), ids=[setting_id(s) for s in GPU_MATRIX]
 )
 def test_matrix_fp32(models, index, setting):
-    arch, model, results, preemptions, workload = _run_matrix_row(models, index, setting)
+    arch, model, results, preemptions, workload = run_matrix_row(models, index, setting)
     report = compare(results, Reference(model.to("cuda").float(), "cuda"))
     print(f"\n{arch} {setting_id(setting)} preemptions {preemptions}: {report.summary()}")
     context = f"{arch} {setting_id(setting)}: {report.summary()}; {workload.describe()}"
@@ -244,7 +131,7 @@ def test_matrix_bf16(models, index):
     """bfloat16: the engine's mean distance to float32 within 1.5x transformers-bfloat16's
     own, and no greedy token far less likely (in float32) than that noise explains."""
     setting = GPU_MATRIX[index]
-    arch, model, results, _, _ = _run_matrix_row(models, index, setting, dtype="bfloat16")
+    arch, model, results, _, _ = run_matrix_row(models, index, setting, dtype="bfloat16")
     ref32 = Reference(model.to("cuda").float(), "cuda")
     report = compare(results, ref32, tie_tol=0.0)
     import copy
@@ -290,7 +177,7 @@ def test_matrix_fp8_weights(models, index):
     """quantization="fp8" in float32 (the Triton FP8 GEMV for decode, the reference for
     prefill) against the scheme in transformers."""
     setting = GPU_MATRIX[index]
-    arch, model, results, _, workload = _run_matrix_row(models, index, setting,
+    arch, model, results, _, workload = run_matrix_row(models, index, setting,
                                                         quantization="fp8", seed=5000)
     folder = models[arch][0]
     report = compare(results, _fp8_reference(folder, model))
@@ -310,7 +197,7 @@ def test_matrix_fp8_weights_bf16(models, index):
     for prefill, the FP8 GEMV for decode): within 2x the scheme's own bfloat16 noise
     (transformers' fake-quantized model in bfloat16 against it in float32)."""
     setting = GPU_MATRIX[index]
-    arch, model, results, _, _ = _run_matrix_row(models, index, setting, dtype="bfloat16",
+    arch, model, results, _, _ = run_matrix_row(models, index, setting, dtype="bfloat16",
                                                   quantization="fp8", seed=6000)
     folder = models[arch][0]
     ref32 = _fp8_reference(folder, model)
@@ -329,9 +216,9 @@ def test_tp2_against_transformers(models, index):
     setting = GPU_MATRIX[index]
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
-    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
+    engine = cuda_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
                      tensor_parallel_size=2,
-                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
+                     **{**sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     try:
         workload = random_workload(
             3000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
@@ -355,8 +242,8 @@ def test_prompt_logprobs(models, index):
     setting = GPU_MATRIX[index]
     arch = ARCHS[index % len(ARCHS)]
     folder, model = models[arch]
-    engine = _engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                     **{**_sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
+    engine = cuda_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                     **{**sizes(setting), **engine_args(setting, MAX_MODEL_LEN)})
     gen = torch.Generator().manual_seed(4000 + index)
     shared = torch.randint(3, 300, (100,), generator=gen).tolist()
     prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()

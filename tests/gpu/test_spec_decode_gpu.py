@@ -1,0 +1,95 @@
+"""Speculative decoding (n-gram) on a CUDA GPU. On the cycling model (a model that copies,
+so drafts are accepted) greedy output equals non-speculative decoding token for token, with
+CUDA graphs for the plain steps, async scheduling on and off, chunked prefill and
+preemption. Over rows of the differential matrix, with prompts that repeat themselves (so
+the n-gram finds drafts) and seeded sampling rows, every token's logprob equals
+transformers' float32 forward teacher-forced on the engine's tokens, and greedy tokens are
+the reference's argmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from differential import Reference, Req, Workload, compare, setting_id
+from gpu_matrix import FP32_TOL, GPU_MATRIX, run_matrix_row
+from tiny_models import build_successor_model
+
+from inference import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
+]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+CYCLES = {10: 11, 11: 12, 12: 13, 13: 14, 14: 10, 20: 21, 21: 22, 22: 1, 1: 20}
+
+
+@pytest.fixture(scope="module")
+def cycling(tmp_path_factory):
+    path = tmp_path_factory.mktemp("successor-spec-gpu")
+    tokenizer, _ = build_successor_model(path, CYCLES)
+    return str(path), tokenizer
+
+
+def _summary(outputs):
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+def _logprobs(outputs) -> list[float]:
+    return [d[t].logprob for o in outputs for c in o.outputs if c.logprobs
+            for d, t in zip(c.logprobs, c.token_ids)]  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", [
+    {},  # CUDA graphs, async scheduling
+    {"async_scheduling": False},
+    {"enforce_eager": True},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
+])  # fmt: skip
+def test_greedy_output_is_unchanged_on_a_copying_model(cycling, engine):
+    folder, tokenizer = cycling
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [20, 21, 22, 1, 20, 21], [12, 13, 14, 10, 11],
+               [10, 11, 12, 13, 14] * 3, [21, 22, 1, 20, 21, 22, 1, 20]] * 4  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=23 + i % 7, ignore_eos=i % 2 == 0,
+                             logprobs=1, min_tokens=i % 5)
+              for i in range(len(prompts))]  # fmt: skip
+    settings = {"device": "cuda", "dtype": "float32", "max_model_len": 160, "block_size": 4,
+                "seed": 0, "num_kv_blocks": 400, **engine}  # fmt: skip
+    with LLM(folder, **settings) as plain:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(folder, speculative_config=NGRAM, **settings) as spec:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        counters = spec.engine.spec_decoder.counters
+        bm = spec.engine.block_manager
+        assert bm.num_free_blocks == spec.engine.num_total_blocks
+    assert _summary(got) == _summary(want)
+    np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-3)
+    assert counters.num_accepted_tokens / counters.num_draft_tokens > 0.5, counters
+
+
+def _self_repeating(workload: Workload) -> Workload:
+    """Each prompt made of its first few tokens over and over (so that the n-gram finds
+    matches in the prompt and, once the model repeats, in the output)."""
+    rng = np.random.default_rng(1)
+    requests = []
+    for r in workload.requests:
+        unit = r.prompt[: int(rng.integers(2, 9))]
+        prompt = (unit * (len(r.prompt) // len(unit) + 1))[: len(r.prompt)]
+        requests.append(Req(r.request_id, prompt, r.params, r.arrival_step, r.abort_step))
+    return Workload(requests)
+
+
+@pytest.mark.parametrize("index", [0, 3, 6, 9, 14, 19, 24, 29])
+def test_matrix_spec_decode_fp32(models, index):
+    setting = GPU_MATRIX[index]
+    arch, model, results, _, workload = run_matrix_row(
+        models, index, setting, seed=8000, reshape=_self_repeating, speculative_config=NGRAM)
+    report = compare(results, Reference(model.to("cuda").float(), "cuda"))
+    context = f"{arch} ngram {setting_id(setting)}: {report.summary()}; {workload.describe()}"
+    print("\n" + context)
+    assert report.max_abs_diff <= FP32_TOL, context
+    assert report.argmax_mismatches == 0, context
