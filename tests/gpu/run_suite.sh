@@ -16,7 +16,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 status=0
 if (( gpus >= 2 )); then
   for i in 0 1 2 3 4 5; do
-    CUDA_VISIBLE_DEVICES=$((i % 2)) PAGODA_GPU_SHARD=$i/6 "${PYTEST[@]}" tests/gpu -k "not tp2" \
+    CUDA_VISIBLE_DEVICES=$((i % 2)) PAGODA_GPU_SHARD=$i/6 "${PYTEST[@]}" tests/gpu -k "not tp2" -m "not gpu_alone" \
         > "$OUT/gpu-suite-shard$i.log" 2>&1 &
   done
   for i in 0 1; do
@@ -26,10 +26,11 @@ if (( gpus >= 2 )); then
 else
   # One GPU: four shards at once all the same (the engines are sized in blocks).
   for i in 0 1 2 3; do
-    PAGODA_GPU_SHARD=$i/4 "${PYTEST[@]}" tests/gpu > "$OUT/gpu-suite-shard$i.log" 2>&1 &
+    PAGODA_GPU_SHARD=$i/4 "${PYTEST[@]}" tests/gpu -m "not gpu_alone" > "$OUT/gpu-suite-shard$i.log" 2>&1 &
   done
   for job in $(jobs -p); do wait "$job" || status=1; done
 fi
+"${PYTEST[@]}" tests/gpu -m gpu_alone > "$OUT/gpu-suite-alone.log" 2>&1 || status=1
 for log in "$OUT"/gpu-suite*.log; do
   echo "$(basename "$log"): $(grep -E "passed|failed|error" "$log" | tail -1)"
 done

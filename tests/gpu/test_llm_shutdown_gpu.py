@@ -13,6 +13,7 @@ from inference import LLM, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_alone,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
 ]
 
