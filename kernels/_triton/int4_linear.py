@@ -5,10 +5,13 @@ Both take only tensors and constexprs (the group size, whether a g_idx is given,
 blocks), so a CUDA graph replays them as captured.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels._triton.linear import _splitk_reduce_kernel
 from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
@@ -54,6 +57,83 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias
 
 
 @triton.jit
+def _x_at(x_ptr, row, M, stride_x, ks, zero_n, K):
+    # x[row, ks] broadcast over the tile's BLOCK_N rows: the weight tile's register layout
+    # (each thread loads the x elements it multiplies, from L1). Rows past M are clamped.
+    r = tl.minimum(row, M - 1).to(tl.int64)
+    ptrs = x_ptr + r * stride_x + zero_n[:, None] + ks[None, :]
+    return tl.load(ptrs, mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_words_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+                            ws_ptr, M, N, K, stride_x, stride_q, num_groups, words_per_split,
+                            GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                            USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """One program: BLOCK_N outputs x a slice of K for ROWS rows of x (rows ROWS * pid_m
+    on). Tiles are [BLOCK_N, BLOCK_W] packed words, 16-byte loads along K; a word's eight
+    codes share a group (GROUP_SIZE a multiple of 8, or one group), so each word needs one
+    scale and zero. Codes become float32 by the exponent trick (code | 0x4B000000 is
+    2^23 + code), not by the quarter-rate int-to-float conversion; W = code * s - z * s
+    in one FMA (exact: the true value fits float32)."""
+    wait_for_inputs()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = tl.program_id(2) * ROWS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_row = tl.minimum(offs_n, N - 1).to(tl.int64)
+    num_words = tl.cdiv(K, 8)
+    q_rows = qweight_ptr + n_row[:, None] * stride_q
+    meta_rows = n_row[:, None] * num_groups
+    zero_n = tl.zeros([BLOCK_N], dtype=tl.int32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    w_start = pid_k * words_per_split
+    for w0 in range(w_start, w_start + words_per_split, BLOCK_W):
+        wk = w0 + tl.arange(0, BLOCK_W)
+        words = tl.load(q_rows + wk[None, :], mask=(wk < num_words)[None, :], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        meta = meta_rows + tl.minimum((wk * 8) // GROUP_SIZE, num_groups - 1)[None, :]
+        s = tl.load(scales_ptr + meta)
+        zs = tl.load(zeros_ptr + meta).to(tl.float32) * s
+        for j in tl.static_range(8):
+            code = (words >> (4 * j)) & 0xF
+            w = ((code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s - zs
+            ks = wk * 8 + j
+            acc0 += w * _x_at(x_ptr, row0, M, stride_x, ks, zero_n, K)
+            if ROWS > 1:
+                acc1 += w * _x_at(x_ptr, row0 + 1, M, stride_x, ks, zero_n, K)
+            if ROWS > 2:
+                acc2 += w * _x_at(x_ptr, row0 + 2, M, stride_x, ks, zero_n, K)
+                acc3 += w * _x_at(x_ptr, row0 + 3, M, stride_x, ks, zero_n, K)
+    _store_words_row(acc0, row0, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, USE_WS, HAS_BIAS)
+    if ROWS > 1:
+        _store_words_row(acc1, row0 + 1, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+    if ROWS > 2:
+        _store_words_row(acc2, row0 + 2, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+        _store_words_row(acc3, row0 + 3, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _store_words_row(acc, row, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    total = tl.sum(acc, axis=1)
+    mask = (offs_n < N) & (row < M)
+    if USE_WS:
+        tl.store(ws_ptr + (pid_k * M + row).to(tl.int64) * N + offs_n, total, mask=mask)
+    else:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_x, stride_q, num_groups, GROUP_SIZE: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -81,6 +161,65 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias
              acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class WordsConfig:
+    """A launch of the word GEMV: BLOCK_N outputs x BLOCK_W words a tile, K in ``split``
+    slices (float32 partials, reduced in a fixed order), ``rows`` rows of x a program."""
+
+    block_n: int = 16
+    block_w: int = 32
+    split: int = 1
+    rows: int = 1
+    num_warps: int = 4
+
+
+def words_eligible(group_size: int, num_groups: int, g_idx: torch.Tensor | None) -> bool:
+    """The word GEMV needs a word's eight codes in one group: no act order, and groups of
+    a multiple of 8 (or one group: per channel)."""
+    return g_idx is None and (group_size % 8 == 0 or num_groups == 1)
+
+
+def words_config_for(m: int, n: int, k: int) -> WordsConfig:
+    """Enough programs to keep every SM streaming: K split until there are ~4 per SM."""
+    rows = 1 if m <= 1 else 2 if m <= 2 else 4
+    block_n, block_w = 16, 32
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, rows)
+    split = 1
+    max_split = max(1, triton.cdiv(triton.cdiv(k, 8), block_w))
+    while programs * split < 528 and split * 2 <= min(16, max_split):
+        split *= 2
+    return WordsConfig(block_n=block_n, block_w=block_w, split=split, rows=rows)
+
+
+def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                    out: torch.Tensor, config: WordsConfig) -> torch.Tensor:  # fmt: skip
+    """out [M, N] (contiguous) = x [M, K] @ W.T (+ bias) by the word GEMV."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    num_words = triton.cdiv(k, 8)
+    per_split = triton.cdiv(triton.cdiv(num_words, config.split), config.block_w) * config.block_w
+    split = triton.cdiv(num_words, per_split)
+    use_ws = split > 1
+    workspace = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if use_ws else out
+    bias_arg = qweight if bias is None else bias
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.rows))
+    _int4_gemv_words_kernel[grid](x, qweight, scales, zeros, bias_arg, out, workspace, m, n, k,
+                                  x.stride(0), qweight.stride(0), scales.shape[1], per_split,
+                                  GROUP_SIZE=max(group_size, 1), ROWS=config.rows,
+                                  BLOCK_N=config.block_n, BLOCK_W=config.block_w,
+                                  USE_WS=use_ws, HAS_BIAS=bias is not None,
+                                  num_warps=config.num_warps, launch_pdl=launch_pdl(out))  # fmt: skip
+    if use_ws:
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            workspace, bias_arg, out, m, n, out.stride(0), split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            launch_pdl=launch_pdl(out),
+        )  # fmt: skip
+    return out
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor | None,
@@ -95,6 +234,9 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bias_arg = qweight if bias is None else bias
     common = dict(GROUP_SIZE=max(group_size, 1), HAS_G_IDX=g_idx is not None,
                   HAS_BIAS=bias is not None)  # fmt: skip
+    if gemv and words_eligible(group_size, scales.shape[1], g_idx):
+        return int4_gemv_words(x, qweight, scales, zeros, group_size, bias, out,
+                               words_config_for(m, n, k))  # fmt: skip
     if gemv:
         block_n = 32
         grid = (triton.cdiv(n, block_n), m)

@@ -82,6 +82,28 @@ def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) ->
     assert rel_err(int4_linear_ref(x, qweight, scales, zeros, size, g_idx, bias), want) < 2e-6
 
 
+@pytest.mark.parametrize("config", [
+    dict(block_n=16, block_w=32, split=1, rows=1), dict(block_n=8, block_w=16, split=3, rows=2),
+    dict(block_n=16, block_w=16, split=2, rows=4), dict(block_n=32, block_w=64, split=4, rows=4),
+])  # fmt: skip
+@pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
+def test_word_gemv_every_launch_shape(n, k, group_size, config) -> None:
+    """The word GEMV at explicit launches: K split into slices (some empty past K), row
+    blocks with rows past M, tiles past N, per-channel K not a multiple of 8, bias."""
+    from kernels._triton.int4_linear import WordsConfig, int4_gemv_words, words_eligible
+
+    size = k if group_size == -1 else group_size
+    (qweight, scales, zeros, _), weight = layout(n, k, size, False, seed=n + k)
+    assert words_eligible(size, scales.shape[1], None)
+    for m in (1, 3, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        bias = torch.randn(n) if m != 3 else None
+        out = torch.full((m, n), float("nan"))
+        int4_gemv_words(x, qweight, scales, zeros, size, bias, out, WordsConfig(**config))
+        want = x.double() @ weight.T + (0 if bias is None else bias.double())
+        assert rel_err(out, want) < TOLERANCE[torch.float32], (m, config)
+
+
 def test_out_buffer_and_leading_dims(triton_calls) -> None:
     (qweight, scales, zeros, g_idx), weight = layout(16, 64, 32, False, seed=1)
     x = torch.randn(2, 3, 64)
@@ -112,7 +134,9 @@ from kernels._triton import int4_linear as k
 
 ARGS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8",
         "g_idx_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-        **{i: "i32" for i in ("M", "N", "K", "stride_x", "stride_q", "num_groups")}}
+        "ws_ptr": "*fp32",
+        **{i: "i32" for i in ("M", "N", "K", "stride_x", "stride_q", "num_groups",
+                              "words_per_split")}}
 
 def build(kernel, consts):
     types = {a: t for a, t in ARGS.items() if a in kernel.arg_names}
@@ -128,6 +152,9 @@ for g_idx in (False, True):
     gemm = build(k._int4_gemm_kernel, flags | dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
                                                    PRECISION="tf32"))
     assert "mma" in gemm.asm["ptx"], "the GEMM must run on the tensor cores"
+for rows in (1, 4):
+    build(k._int4_gemv_words_kernel, dict(GROUP_SIZE=128, ROWS=rows, BLOCK_N=16, BLOCK_W=32,
+                                          USE_WS=rows == 4, HAS_BIAS=rows == 1))
 print("compiled")
 """
 
