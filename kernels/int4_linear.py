@@ -106,8 +106,12 @@ def int4_linear(
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As ``int4_linear_ref``, through the Triton kernels where they run."""
+    """As ``int4_linear_ref``, through the Triton kernels where they run. ``scratch`` (x's
+    dtype, at least N x K elements, on x's device): above ``GEMV_MAX_M`` rows the weight
+    is dequantized into it and multiplied by cuBLAS (tensor cores at full rate for prefill
+    and large batches); without it the Triton GEMM runs."""
     module = kernel_for("int4_linear", x)
     if module is None:
         return int4_linear_ref(x, qweight, scales, zeros, group_size, g_idx, bias, out)
@@ -119,8 +123,19 @@ def int4_linear(
     dest = None if out is None else out.view(rows.shape[0], n)
     if dest is not None and not dest.is_contiguous():
         dest = None
-    result = module.int4_linear(rows, qweight, scales, zeros, group_size, g_idx, bias, dest,
-                                gemv=rows.shape[0] <= GEMV_MAX_M)  # fmt: skip
+    gemv = rows.shape[0] <= GEMV_MAX_M
+    if not gemv and scratch is not None:
+        weight = module.dequantize_into(qweight, scales, zeros, group_size, g_idx, rows.shape[1],
+                                        scratch[: n * rows.shape[1]].view(n, rows.shape[1]))  # fmt: skip
+        if dest is None:
+            dest = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+        if bias is None:
+            result = torch.mm(rows, weight.t(), out=dest)
+        else:
+            result = torch.addmm(bias, rows, weight.t(), out=dest)
+    else:
+        result = module.int4_linear(rows, qweight, scales, zeros, group_size, g_idx, bias, dest,
+                                    gemv=gemv)  # fmt: skip
     if out is not None and result.data_ptr() != out.data_ptr():
         out.view_as(result).copy_(result)
         return out

@@ -62,6 +62,14 @@ def _gemm(x, q, s, z, bias, out):
     k4.int4_linear(x, q, s, z, GROUP, None, bias, out, gemv=False)
 
 
+def _dequant_cublas(scratch):
+    def run(x, q, s, z, bias, out):
+        from kernels.int4_linear import int4_linear
+
+        int4_linear(x, q, s, z, GROUP, None, bias, out, scratch)
+    return run
+
+
 def _words(config):
     def run(x, q, s, z, bias, out):
         k4.int4_gemv_words(x, q, s, z, GROUP, bias, out, config)
@@ -70,9 +78,9 @@ def _words(config):
 
 def candidates(m: int):
     rows = 1 if m <= 1 else 2 if m <= 2 else 4
-    tiles = ((8, 32), (8, 64), (16, 16), (16, 32), (16, 64), (32, 32))
-    for (block_n, block_w), split in itertools.product(tiles, (1, 2, 4, 8)):
-        yield k4.WordsConfig(block_n, block_w, split, rows, 4)
+    launches = ((8, 64, 1), (8, 32, 4), (8, 32, 8), (16, 32, 2), (32, 32, 4), (32, 32, 8))
+    for (block_n, block_w, split), vec in itertools.product(launches, (True, False)):
+        yield k4.WordsConfig(block_n, block_w, split, rows, 4, vec)
 
 
 def time_case(name: str, m: int, deadline: float) -> dict:
@@ -101,6 +109,8 @@ def time_case(name: str, m: int, deadline: float) -> dict:
     del dense
     row["first_gemv_us"] = timed(_first_gemv) if m <= 16 else None
     row["gemm_us"] = timed(_gemm)
+    row["dequant_cublas_us"] = timed(_dequant_cublas(torch.empty(n * k, dtype=x.dtype,
+                                                                 device="cuda")))  # fmt: skip
     shipped = k4.words_config_for(m, n, k)
     row["shipped"] = vars(shipped) | {"us": timed(_words(shipped))}
     best = None
@@ -122,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "int4_check.json"))
     parser.add_argument("--budget-s", type=float, default=200)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     start = time.monotonic()
     cases = [(name, m) for m in args.m for name in SHAPES]
@@ -133,7 +143,7 @@ def main() -> None:
         rows.append(time_case(name, m, time.monotonic() + max(share, 1.0)))
         r = rows[-1]
         print(f"{name:14} M={m:<2} bf16 {r['bf16_us']:7.1f}  first {r['first_gemv_us'] or 0:7.1f}  "
-              f"gemm {r['gemm_us'] or 0:7.1f}  shipped {r['shipped']['us'] or 0:7.1f}  "
+              f"gemm {r['gemm_us'] or 0:7.1f}  dq+cublas {r['dequant_cublas_us'] or 0:7.1f}  shipped {r['shipped']['us'] or 0:7.1f}  "
               f"best {r.get('best', {}).get('us', 0):7.1f} us "
               f"({r.get('best_gb_s', 0):.0f} GB/s) {r.get('best')}", flush=True)  # fmt: skip
     with open(args.out, "w") as f:

@@ -58,11 +58,13 @@ class Int4Weights(nn.Module):
         self.zeros = _frozen(n, num_groups, dtype=torch.uint8)
         self.g_idx = _frozen(k, dtype=torch.int32) if scheme.act_order else None
         self._g_idx_loaded = False
+        # One buffer shared by every projection of the model (``share_dequant_scratch``).
+        self.scratch: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return kernels.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size,
-                                   self.g_idx, bias, out)  # fmt: skip
+                                   self.g_idx, bias, out, self.scratch)  # fmt: skip
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [N, K] weight held (for checks)."""
@@ -70,6 +72,20 @@ class Int4Weights(nn.Module):
 
         return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size,
                                self.g_idx, self.shape[1])  # fmt: skip
+
+
+def share_dequant_scratch(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """On a GPU, one buffer the size of the largest projection, shared by all of them:
+    steps above the GEMV's rows dequantize a projection into it for cuBLAS (projections
+    run one after another on one stream, so one buffer serves all). Allocated at load, so
+    the KV-cache sizing sees it."""
+    projections = [m for m in model.modules() if isinstance(m, Int4Weights)]
+    if not projections or torch.device(device).type != "cuda":
+        return
+    scratch = torch.empty(max(m.shape[0] * m.shape[1] for m in projections), dtype=dtype,
+                          device=device)  # fmt: skip
+    for module in projections:
+        module.scratch = scratch
 
 
 @dataclass

@@ -133,6 +133,98 @@ def _store_words_row(acc, row, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
         tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_vec_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+                          ws_ptr, M, N, K, stride_x, stride_q, num_groups, words_per_split,
+                          GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The word GEMV with a word's eight codes as a third tile axis: [BLOCK_N, BLOCK_W, 8],
+    so that x's eight inputs of a word are one 16-byte load and the code extraction is
+    one variable shift per element."""
+    wait_for_inputs()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = tl.program_id(2) * ROWS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_row = tl.minimum(offs_n, N - 1).to(tl.int64)
+    num_words = tl.cdiv(K, 8)
+    q_rows = qweight_ptr + n_row[:, None] * stride_q
+    meta_rows = n_row[:, None] * num_groups
+    offs_j = tl.arange(0, 8)
+    shifts = (offs_j * 4)[None, None, :]
+    zero3 = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    w_start = pid_k * words_per_split
+    for w0 in range(w_start, w_start + words_per_split, BLOCK_W):
+        wk = w0 + tl.arange(0, BLOCK_W)
+        words = tl.load(q_rows + wk[None, :], mask=(wk < num_words)[None, :], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        meta = meta_rows + tl.minimum((wk * 8) // GROUP_SIZE, num_groups - 1)[None, :]
+        s = tl.load(scales_ptr + meta)
+        zs = tl.load(zeros_ptr + meta).to(tl.float32) * s
+        codes = (words[:, :, None] >> shifts) & 0xF
+        w = (((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s[:, :, None]
+             - zs[:, :, None])  # fmt: skip
+        ks = (wk[:, None] * 8 + offs_j[None, :])[None, :, :]
+        x_ptrs = x_ptr + zero3 + ks
+        k_mask = ks < K
+        r0 = tl.minimum(row0, M - 1).to(tl.int64) * stride_x
+        acc0 += tl.sum(w * tl.load(x_ptrs + r0, mask=k_mask, other=0.0).to(tl.float32), axis=2)
+        if ROWS > 1:
+            r1 = tl.minimum(row0 + 1, M - 1).to(tl.int64) * stride_x
+            acc1 += tl.sum(w * tl.load(x_ptrs + r1, mask=k_mask, other=0.0).to(tl.float32),
+                           axis=2)  # fmt: skip
+        if ROWS > 2:
+            r2 = tl.minimum(row0 + 2, M - 1).to(tl.int64) * stride_x
+            r3 = tl.minimum(row0 + 3, M - 1).to(tl.int64) * stride_x
+            acc2 += tl.sum(w * tl.load(x_ptrs + r2, mask=k_mask, other=0.0).to(tl.float32),
+                           axis=2)  # fmt: skip
+            acc3 += tl.sum(w * tl.load(x_ptrs + r3, mask=k_mask, other=0.0).to(tl.float32),
+                           axis=2)  # fmt: skip
+    _store_words_row(acc0, row0, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, USE_WS, HAS_BIAS)
+    if ROWS > 1:
+        _store_words_row(acc1, row0 + 1, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+    if ROWS > 2:
+        _store_words_row(acc2, row0 + 2, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+        _store_words_row(acc3, row0 + 3, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
+                         USE_WS, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _int4_dequant_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K,
+                         stride_q, num_groups, GROUP_SIZE: tl.constexpr,
+                         HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_W: tl.constexpr):  # fmt: skip
+    """out [N, K] (x's dtype) = W: one [BLOCK_N, BLOCK_W words x 8] tile a program."""
+    wait_for_inputs()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wk = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_j = tl.arange(0, 8)
+    n_mask = (offs_n < N)[:, None]
+    words = tl.load(qweight_ptr + offs_n.to(tl.int64)[:, None] * stride_q + wk[None, :],
+                    mask=n_mask & (wk < tl.cdiv(K, 8))[None, :], other=0)  # fmt: skip
+    ks = (wk[:, None] * 8 + offs_j[None, :])[None, :, :]
+    k_mask = ks < K
+    if HAS_G_IDX:
+        groups = tl.load(g_idx_ptr + ks, mask=k_mask, other=0)
+    else:
+        groups = tl.minimum(ks // GROUP_SIZE, num_groups - 1)
+    meta = offs_n.to(tl.int64)[:, None, None] * num_groups + groups
+    mask3 = n_mask[:, :, None] & k_mask
+    s = tl.load(scales_ptr + meta, mask=mask3, other=0.0)
+    z = tl.load(zeros_ptr + meta, mask=mask3, other=0).to(tl.float32)
+    codes = (words[:, :, None] >> (offs_j * 4)[None, None, :]) & 0xF
+    w = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0 - z) * s
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None, None] * K + ks,
+             w.to(out_ptr.dtype.element_ty), mask=mask3)  # fmt: skip
+
+
 @triton.jit
 def _int4_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_x, stride_q, num_groups, GROUP_SIZE: tl.constexpr,
@@ -171,6 +263,7 @@ class WordsConfig:
     split: int = 1
     rows: int = 1
     num_warps: int = 4
+    vec: bool = False  # the [BLOCK_N, BLOCK_W, 8] variant
 
 
 def words_eligible(group_size: int, num_groups: int, g_idx: torch.Tensor | None) -> bool:
@@ -204,7 +297,8 @@ def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     workspace = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if use_ws else out
     bias_arg = qweight if bias is None else bias
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.rows))
-    _int4_gemv_words_kernel[grid](x, qweight, scales, zeros, bias_arg, out, workspace, m, n, k,
+    kernel = _int4_gemv_vec_kernel if config.vec else _int4_gemv_words_kernel
+    kernel[grid](x, qweight, scales, zeros, bias_arg, out, workspace, m, n, k,
                                   x.stride(0), qweight.stride(0), scales.shape[1], per_split,
                                   GROUP_SIZE=max(group_size, 1), ROWS=config.rows,
                                   BLOCK_N=config.block_n, BLOCK_W=config.block_w,
@@ -217,6 +311,21 @@ def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
             launch_pdl=launch_pdl(out),
         )  # fmt: skip
+    return out
+
+
+def dequantize_into(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, g_idx: torch.Tensor | None, k: int,
+                    out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """out [N, K] (contiguous, x's dtype) = the weight the layout means."""
+    n = qweight.shape[0]
+    block_n, block_w = 16, 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 8), block_w))
+    _int4_dequant_kernel[grid](qweight, scales, zeros, qweight if g_idx is None else g_idx, out,
+                               n, k, qweight.stride(0), scales.shape[1],
+                               GROUP_SIZE=max(group_size, 1), HAS_G_IDX=g_idx is not None,
+                               BLOCK_N=block_n, BLOCK_W=block_w,
+                               launch_pdl=launch_pdl(out))  # fmt: skip
     return out
 
 
