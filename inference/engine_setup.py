@@ -73,7 +73,10 @@ def build_engine(
     # The draft loads first, so that profiling the target's step counts its weights.
     draft = None
     if speculative is not None and speculative.method == "draft_model":
-        draft = DraftModelProposer(config, model_config, speculative)
+        draft = DraftModelProposer(config, model_config, speculative, tokenizer)
+        # Random (dummy) weights of the target as without a draft: a benchmark's two runs,
+        # with and without speculation, then serve the same model.
+        torch.manual_seed(config.seed)
     runner = make_runner(config, model_config, str(model_path))
     try:
         num_blocks, startup_phases = size_kv_cache(runner, config, draft)

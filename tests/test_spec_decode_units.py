@@ -221,3 +221,23 @@ def test_greedy_rows_pick_the_argmax_at_every_position():
                                 output_token_ids=[[]] * 3, generators=[None] * 3,
                                 draft_token_ids=[[1, 2]])
     assert Sampler()(logits, metadata).token_ids == [1, 0, 2]
+
+
+def test_a_named_shape_drafts_with_random_weights():
+    """Benchmarks: a named shape as the draft loads random weights beside the target's; a
+    table of another size with no tokenizer to compare is refused."""
+    from inference.model_shapes import SHAPES
+    from inference.models.config import ModelConfig
+    from inference.spec_decode.draft_model import draft_engine_config
+
+    target_model = ModelConfig.from_dict(SHAPES["qwen2.5-1.5b"])
+    target = EngineConfig("m", device="cpu", max_model_len=512).resolve(target_model, "cpu")
+    spec = parse_speculative_config(
+        {"method": "draft_model", "model": "qwen2.5-1.5b", "num_speculative_tokens": 3})
+    config, model_config, _ = draft_engine_config(target, target_model, spec)
+    assert config.load_format == "dummy" and config.max_model_len == 512
+    assert model_config.vocab_size == target_model.vocab_size
+    other = parse_speculative_config(
+        {"method": "draft_model", "model": "qwen2.5-7b", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="152064 tokens, the target 151936, and no tokenizer"):
+        draft_engine_config(target, target_model, other)

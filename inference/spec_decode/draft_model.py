@@ -29,12 +29,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from inference.config import ResolvedEngineConfig
-from inference.model_files import resolve_model
+from inference.model_files import load_tokenizer, resolve_model
+from inference.model_shapes import resolve_shape_model
 from inference.models.config import ModelConfig
 from inference.quantization import resolve_quantization
 from inference.runner.model_runner import ModelRunner
@@ -52,27 +55,47 @@ class _DraftKV:
 
 
 def draft_engine_config(
-    target: ResolvedEngineConfig, target_model: ModelConfig, spec: SpeculativeConfig
+    target: ResolvedEngineConfig, target_model: ModelConfig, spec: SpeculativeConfig,
+    target_tokenizer: Any = None,
 ) -> tuple[ResolvedEngineConfig, ModelConfig, str]:
-    """The draft's config (the target's, with the draft's folder and quantization), its
-    model config and folder. ValueError where the draft cannot serve the target."""
-    path = resolve_model(spec.model)
+    """The draft's config (the target's, with the draft's folder, quantization and load
+    format), its model config and folder. ``spec.model`` is a folder or a named shape
+    (random weights, for benchmarks). ValueError where the draft cannot serve the target."""
+    folder, extra = resolve_shape_model(spec.model)
+    path = resolve_model(folder)
     model_config = ModelConfig.from_folder(path)
-    if model_config.vocab_size != target_model.vocab_size:
-        raise ValueError(
-            f"speculative_config draft model {spec.model!r} has a vocabulary of "
-            f"{model_config.vocab_size} tokens, the target {target_model.vocab_size}: a "
-            "draft model must share the target's tokenizer")
+    check_shared_tokenizer(spec.model, model_config, path, target_model, target_tokenizer)
     limit = model_config.max_position_embeddings
     if limit < target.max_model_len:
         raise ValueError(
             f"speculative_config draft model {spec.model!r} attends to {limit} tokens, fewer "
             f"than max_model_len={target.max_model_len}")
     config = dataclasses.replace(
-        target, model=str(path), speculative_config=None,
+        target, model=str(path), tokenizer=None, speculative_config=None,
+        load_format=extra.get("load_format", target.load_format),
         quantization=resolve_quantization(None, model_config.quantization_config),
     )  # fmt: skip
     return config, model_config, str(path)
+
+
+def check_shared_tokenizer(
+    name: str, draft: ModelConfig, draft_path: Path, target: ModelConfig, target_tokenizer: Any
+) -> None:
+    """A draft proposes the target's token ids, so both must read ids the same way. Equal
+    embedding tables pass; tables of different sizes (a family pads them differently:
+    Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064) pass when both folders hold the same
+    tokenizer, the rows past it being padding no model emits."""
+    if draft.vocab_size == target.vocab_size:
+        return
+    mismatch = (f"speculative_config draft model {name!r} has a vocabulary of "
+                f"{draft.vocab_size} tokens, the target {target.vocab_size}")
+    draft_tokenizer = load_tokenizer(draft_path)
+    if draft_tokenizer is None or target_tokenizer is None:
+        raise ValueError(f"{mismatch}, and no tokenizer files show they share one: a draft "
+                         "model must share the target's tokenizer")
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"{mismatch}, and its tokenizer differs from the target's: a draft "
+                         "model must share the target's tokenizer")
 
 
 class DraftModelProposer:
@@ -80,10 +103,15 @@ class DraftModelProposer:
     drafts (their count already set by the scheduler, their values placeholders)."""
 
     def __init__(
-        self, target: ResolvedEngineConfig, target_model: ModelConfig, spec: SpeculativeConfig
+        self, target: ResolvedEngineConfig, target_model: ModelConfig, spec: SpeculativeConfig,
+        target_tokenizer: Any = None,
     ) -> None:
-        config, model_config, path = draft_engine_config(target, target_model, spec)
+        config, model_config, path = draft_engine_config(
+            target, target_model, spec, target_tokenizer)
         self.runner = ModelRunner(config, model_config, path)
+        # Ids both models embed: a draft's padding rows past the target's table are never
+        # proposed.
+        self.num_proposable = min(model_config.vocab_size, target_model.vocab_size)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._kv: weakref.WeakKeyDictionary[Sequence, _DraftKV] = weakref.WeakKeyDictionary()
@@ -167,7 +195,7 @@ class DraftModelProposer:
         ends = inputs.query_start_loc[1:] - 1
         rows = [int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen]
         logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        return logits.argmax(dim=-1).tolist()
+        return logits[:, : self.num_proposable].argmax(dim=-1).tolist()
 
 
 def _step_inputs(

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_successor_model, build_tiny_model
+from tiny_models import build_successor_model, build_tiny_model, build_tokenizer
 
 from inference import LLM, SamplingParams
 from inference.server.metrics import ServerMetrics
@@ -331,9 +331,18 @@ def test_draft_model_sampling_keeps_the_distribution(cycling, perturbed_draft):
         assert _two_sample_p_value(a, b) > 1e-4, position
 
 
-def test_a_draft_with_another_vocabulary_is_refused(cycling, tmp_path):
-    folder, _ = cycling
-    other = tmp_path / "other-vocab"
-    build_tiny_model(other, "llama", vocab_size=320)
-    with pytest.raises(ValueError, match="vocabulary of 320 tokens, the target 384"):
+def test_a_draft_must_share_the_targets_tokenizer(cycling, tmp_path):
+    """Embedding tables of different sizes with one tokenizer (as Qwen2.5-0.5B drafting
+    for the 7B) draft losslessly; another tokenizer is refused."""
+    folder, tokenizer = cycling
+    padded = tmp_path / "padded"
+    build_tiny_model(padded, "llama", vocab_size=320)  # the same tokenizer, a smaller table
+    prompts, params = _cycling_workload(tokenizer)
+    _compare(folder, prompts, params, require_acceptance=False,
+             speculative=_draft(str(padded)))
+    other = tmp_path / "other-tokenizer"
+    build_tiny_model(other, "llama", vocab_size=300)
+    build_tokenizer(other, vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 384, and its "
+                                         "tokenizer differs"):
         LLM(folder, max_model_len=64, num_kv_blocks=40, speculative_config=_draft(str(other)))
