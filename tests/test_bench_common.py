@@ -103,3 +103,26 @@ def test_latency_bench_reports_copy_rate_and_acceptance(tmp_path, capsys):
     assert result["mean_acceptance_length"] >= 1.0
     assert 0.0 <= result["acceptance_rate"] <= 1.0
     assert "acceptance rate" in capsys.readouterr().out
+
+
+def test_throughput_bench_reports_a_draft_models_acceptance(tmp_path, capsys):
+    """The target as its own draft: nearly every draft accepted, and said so."""
+    from tiny_models import build_successor_model
+
+    from inference.cli import build_parser
+
+    model = str(tmp_path / "m")
+    build_successor_model(tmp_path / "m", {10: 11, 11: 12, 12: 10})
+    out = tmp_path / "r.json"
+    spec = json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    args = build_parser().parse_args([
+        "bench", "throughput", "--model", model, "--device", "cpu", "--num-prompts", "3",
+        "--input-len", "8", "--output-len", "12", "--speculative-config", spec,
+        "--num-kv-blocks", "64", "--output-json", str(out),
+    ])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert result["speculative_method"] == "draft_model"
+    assert result["acceptance_rate"] > 0.9 and result["mean_acceptance_length"] > 3.0
+    assert "copy_rate" not in result  # random prompts
+    assert "speculative decoding (draft_model, k=3)" in capsys.readouterr().out

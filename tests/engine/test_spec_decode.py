@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram) is lossless: greedy output equals non-speculative decoding
-token for token (with logprobs within fp32 tolerance) across chunked prefill, prefix
+"""Speculative decoding (n-gram lookup and draft models) is lossless: greedy output equals
+non-speculative decoding token for token (with logprobs within fp32 tolerance) across chunked prefill, prefix
 caching, preemption, async scheduling on and off, stop strings, stop tokens and EOS inside
 accepted drafts, min_tokens and max_tokens cutting through drafts; sampling keeps the
 target's distribution; drafts were in fact accepted; the prefix cache never holds a
-rejected draft; every KV block comes back."""
+rejected draft; every KV block comes back. A draft model's own KV (mirroring the target's
+blocks) must survive preemption and prefix-cache hits: with the target as its own draft,
+acceptance near 100 % shows it does."""
 
 from __future__ import annotations
 
@@ -290,6 +292,26 @@ def test_draft_model_is_lossless_on_a_random_model(random_llama, tmp_path):
     build_tiny_model(other, "llama", seed=7)
     _compare(random_llama, prompts, params, require_acceptance=False,
              speculative=_draft(str(other), 3), async_scheduling=False)
+
+
+def test_draft_model_recomputes_its_kv_under_a_prefix_cache_hit(random_llama):
+    """A prompt cached by a request that never drafted (penalised) holds the target's KV
+    only: a later request hitting it must not read the draft's KV from those blocks. With
+    the target as its own draft, acceptance stays near 100 % only if it recomputes it."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 300) for _ in range(24)]
+    penalised = SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [prefix + [rng.randrange(3, 300) for _ in range(3)] for _ in range(3)]
+    settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 200}
+    outputs = {}
+    for name, speculative in (("plain", None), ("draft", _draft(random_llama, 3))):
+        llm = LLM(random_llama, speculative_config=speculative, **settings)
+        llm.generate([prefix], penalised, use_tqdm=False)
+        outputs[name] = _summary(llm.generate(prompts, params, use_tqdm=False))
+    assert outputs["draft"] == outputs["plain"]
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+    assert _acceptance(llm) > 0.9
 
 
 def test_draft_model_aborts_free_the_draft_state_with_the_blocks(cycling):
