@@ -1,11 +1,11 @@
-"""Speculative decoding (n-gram lookup and draft models) is lossless: greedy output equals
-non-speculative decoding token for token (with logprobs within fp32 tolerance) across chunked prefill, prefix
-caching, preemption, async scheduling on and off, stop strings, stop tokens and EOS inside
-accepted drafts, min_tokens and max_tokens cutting through drafts; sampling keeps the
-target's distribution; drafts were in fact accepted; the prefix cache never holds a
-rejected draft; every KV block comes back. A draft model's own KV (mirroring the target's
-blocks) must survive preemption and prefix-cache hits: with the target as its own draft,
-acceptance near 100 % shows it does."""
+"""Speculative decoding (n-gram lookup and draft models) is lossless: greedy output
+equals non-speculative decoding token for token (with logprobs within fp32 tolerance)
+across chunked prefill, prefix caching, preemption, async scheduling on and off, stop
+strings, stop tokens and EOS inside accepted drafts, min_tokens and max_tokens cutting
+through drafts; sampling keeps the target's distribution; drafts were in fact accepted;
+the prefix cache never holds a rejected draft; every KV block comes back. A draft model's
+own KV (mirroring the target's blocks) must survive preemption and prefix-cache hits: with
+the target as its own draft, acceptance near 100 % shows it does."""
 
 from __future__ import annotations
 
