@@ -241,3 +241,8 @@ def test_a_named_shape_drafts_with_random_weights():
         {"method": "draft_model", "model": "qwen2.5-7b", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="152064 tokens, the target 151936, and no tokenizer"):
         draft_engine_config(target, target_model, other)
+    missing = parse_speculative_config(
+        {"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="draft model '/no/such/draft': model '/no/such/draft'"
+                                         " is not a local folder"):
+        draft_engine_config(target, target_model, missing)

@@ -62,8 +62,11 @@ def draft_engine_config(
     format), its model config and folder. ``spec.model`` is a folder or a named shape
     (random weights, for benchmarks). ValueError where the draft cannot serve the target."""
     folder, extra = resolve_shape_model(spec.model)
-    path = resolve_model(folder)
-    model_config = ModelConfig.from_folder(path)
+    try:
+        path = resolve_model(folder)
+        model_config = ModelConfig.from_folder(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"speculative_config draft model {spec.model!r}: {exc}") from None
     check_shared_tokenizer(spec.model, model_config, path, target_model, target_tokenizer)
     limit = model_config.max_position_embeddings
     if limit < target.max_model_len:
