@@ -130,8 +130,10 @@ class EngineConfig:
         default=None, metadata=_flag(
             'speculative decoding, a JSON object as vLLM\'s: \'{"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-            "(n-gram prompt lookup; optional disable_by_batch_size, default 32: no drafts "
-            "in steps with more running sequences)"))
+            "(n-gram prompt lookup), or '{\"method\": \"draft_model\", \"model\": PATH, "
+            "\"num_speculative_tokens\": 4}' (a draft model sharing the target's tokenizer); "
+            "optional disable_by_batch_size, default 32: no drafts in steps with more "
+            "running sequences"))
     max_logprobs: int = field(
         default=20, metadata=_flag("most logprobs (and top_logprobs) a request may ask for; "
                                    "-1: no limit"))

@@ -26,6 +26,7 @@ from inference.models.config import ModelConfig
 from inference.output_processor import OutputProcessor
 from inference.runner.model_runner import ModelRunner
 from inference.scheduler import Scheduler
+from inference.spec_decode.draft_model import DraftModelProposer
 from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class EngineParts:
     scheduler: Scheduler
     output_processor: OutputProcessor
     grammars: GrammarCompiler
+    # Speculative decoding with a draft model: the draft, its KV cache sized beside the
+    # target's (None: no speculation, or n-gram lookup).
+    draft: DraftModelProposer | None = None
 
 
 def resolve_engine_config(config: EngineConfig) -> tuple[ResolvedEngineConfig, Path, ModelConfig]:
@@ -65,11 +69,21 @@ def build_engine(
         logger.warning("%s has no tokenizer files: prompts must be token ids", model_path)
     eos = eos_token_ids(model_path, model_config, tokenizer)
     torch.manual_seed(config.seed)
+    speculative = config.speculative()
+    # The draft loads first, so that profiling the target's step counts its weights.
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = DraftModelProposer(config, model_config, speculative, tokenizer)
+        # Random (dummy) weights of the target as without a draft: a benchmark's two runs,
+        # with and without speculation, then serve the same model.
+        torch.manual_seed(config.seed)
     runner = make_runner(config, model_config, str(model_path))
     try:
-        num_blocks, startup_phases = size_kv_cache(runner, config)
+        num_blocks, startup_phases = size_kv_cache(runner, config, draft)
     except BaseException:
         runner.close()
+        if draft is not None:
+            draft.close()
         raise
     block_manager = BlockManager(
         num_blocks, config.block_size, config.enable_prefix_caching,
@@ -90,19 +104,28 @@ def build_engine(
         output_processor=OutputProcessor(tokenizer, eos, config.max_model_len),
         # Structured outputs: matchers are built off the step loop.
         grammars=GrammarCompiler(tokenizer, model_config.vocab_size, sorted(eos)),
+        draft=draft,
     )
 
 
 def size_kv_cache(
-    runner: ModelExecutor, config: ResolvedEngineConfig
+    runner: ModelExecutor, config: ResolvedEngineConfig,
+    draft: DraftModelProposer | None = None,
 ) -> tuple[int, dict[str, float]]:
     """Profile, allocate the KV cache and capture graphs; returns the block count and the
-    seconds of each start-up phase."""
+    seconds of each start-up phase. A draft model's cache has as many blocks as the
+    target's (the target's block ids index both): the budget profiled for the target's
+    blocks is shared out by the two models' bytes per block."""
     t0 = time.perf_counter()
     num_blocks = runner.determine_num_blocks()
+    if draft is not None and config.num_kv_blocks is None:
+        target_bytes = runner.bytes_per_block
+        num_blocks = max(1, num_blocks * target_bytes // (target_bytes + draft.bytes_per_block))
     t1 = time.perf_counter()
     check_capacity(config, num_blocks)
     runner.allocate_kv_cache(num_blocks)
+    if draft is not None:
+        draft.allocate_kv_cache(num_blocks)
     t2 = time.perf_counter()
     capture_s = runner.capture_graphs()
     startup_phases = {

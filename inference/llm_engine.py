@@ -110,8 +110,10 @@ class LLMEngine:
         self.output_processor = parts.output_processor
         self.grammars = parts.grammars
         speculative = config.speculative()
-        # Speculative decoding (n-gram): proposes drafts before each step is scheduled.
-        self.spec_decoder = SpecDecoder(speculative) if speculative is not None else None
+        # Speculative decoding: proposes drafts before each step is scheduled (a draft
+        # model fills them in once the schedule has given them KV slots).
+        self.spec_decoder = (
+            SpecDecoder(speculative, parts.draft) if speculative is not None else None)
         if speculative is not None:
             logger.info("speculative decoding: %s", speculative.summary())
         self.requests: dict[str, RequestState] = {}
@@ -302,6 +304,8 @@ class LLMEngine:
         self.computed_tokens_total += batch.num_batched_tokens
         sample_rows = batch.sample_rows
         sampled_seqs = [seqs[row] for row in sample_rows]
+        if self.spec_decoder is not None:
+            self.spec_decoder.fill(sampled_seqs)
         drafts = [list(s.draft_token_ids) for s in sampled_seqs]
         speculating = any(drafts)
         sampling = self._sampling_metadata(sampled_seqs, drafts if speculating else None)
@@ -454,6 +458,9 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
+        spec_decoder = getattr(self, "spec_decoder", None)
+        if spec_decoder is not None:
+            spec_decoder.close()
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # an engine from its config; default sampling parameters; chat templates
     ("inference.engine_setup", "inference.generation_defaults", "inference.chat_templates"),
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
+    ("inference.spec_decode.draft_model",),  # a draft model beside the target's runner
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
     ("inference.models",),  # model families, weight loading
     ("inference.quantization",),  # FP8 and int4 weights: their layouts, filled from a checkpoint

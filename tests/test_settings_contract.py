@@ -24,6 +24,7 @@ from inference.model_shapes import SHAPES
 from inference.models.config import ModelConfig
 from inference.server.cli_serve import add_serve_args, engine_config, served_names
 from inference.server.tool_parsers import TOOL_PARSERS
+from inference.spec_decode.config import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_COPIES = {
@@ -190,3 +191,43 @@ def test_quantization_reaches_the_engine_and_bad_values_are_refused() -> None:
     assert any(e.startswith("spec.engine.quantization: must be one of fp8, awq") for e in errors)
     assert operator_spec.validate_spec(operator_spec.with_defaults(
         {"model": {"name": "m"}, "engine": {"quantization": "gptq"}})) == []
+
+
+@pytest.mark.parametrize("speculative, expected", [
+    ({"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 4},
+     SpeculativeConfig("ngram", 4, prompt_lookup_max=4, prompt_lookup_min=2)),
+    ({"method": "ngram", "numSpeculativeTokens": 3, "disableByBatchSize": 8},
+     SpeculativeConfig("ngram", 3, 5, 5, disable_by_batch_size=8)),
+    ({"method": "draft_model", "numSpeculativeTokens": 5, "draftModel": "/models/draft"},
+     SpeculativeConfig("draft_model", 5, model="/models/draft")),
+])
+def test_speculative_reaches_the_engine_as_asked(speculative, expected) -> None:
+    args = deployment_args({"speculative": speculative})
+    _, resolved = parse_and_resolve(args)
+    assert resolved.speculative() == expected
+    assert "--speculative-config" not in deployment_args({})
+
+
+def test_speculative_methods_and_refusals_are_the_engines() -> None:
+    from inference.spec_decode.config import SUPPORTED_METHODS
+
+    for copy_name in CRD_COPIES:
+        crd = crd_engine_schema(copy_name)["properties"]["speculative"]["properties"]
+        assert crd["method"]["enum"] == list(operator_spec.SPECULATIVE_METHODS)
+    assert operator_spec.SPECULATIVE_METHODS == SUPPORTED_METHODS
+
+    def errors(engine):
+        return operator_spec.validate_spec(operator_spec.with_defaults(
+            {"model": {"name": "m"}, "engine": engine}))
+
+    draft = {"method": "draft_model", "numSpeculativeTokens": 4}
+    assert errors({"speculative": {**draft, "draftModel": "/models/draft"}}) == []
+    (message,) = errors({"speculative": {**draft, "draftModel": "hf://org/draft"}})
+    assert "not delivered yet" in message and "absolute path" in message
+    assert errors({"speculative": draft}) == [
+        "spec.engine.speculative.draftModel: required with method draft_model"]
+    assert errors({"speculative": {"method": "eagle", "numSpeculativeTokens": 4}})
+    assert errors({"tensorParallelSize": 2, "speculative": {
+        "method": "ngram", "numSpeculativeTokens": 4}}) == [
+        "spec.engine.speculative: speculative decoding runs with tensorParallelSize 1 only"]
+    assert errors({"speculative": {**draft, "draftModel": "/d", "promptLookupMax": 3}})

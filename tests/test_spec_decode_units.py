@@ -69,8 +69,20 @@ def test_verify_rows_cover_each_rows_drafts_and_the_one_after():
 
 
 @pytest.mark.parametrize("given, message", [
-    ({"method": "eagle", "num_speculative_tokens": 3}, "not supported yet; supported: ['ngram']"),
+    ({"method": "eagle", "num_speculative_tokens": 3},
+     "not supported yet; supported: ['ngram', 'draft_model']"),
+    ({"method": "eagle3", "model": "heads"}, "'eagle3' is not supported yet"),
+    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 3},
+     "'eagle' is not supported yet"),  # vLLM reads the method from the name
     ({"method": "mtp"}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3,
+      "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2 is not supported"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3,
+      "prompt_lookup_max": 3}, "keys ['prompt_lookup_max'] are not supported for method "
+     "'draft_model'"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3},
+     "tensor_parallel_size > 1 is not supported"),
     ({"num_speculative_tokens": 3}, "needs a method"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
@@ -80,7 +92,19 @@ def test_verify_rows_cover_each_rows_drafts_and_the_one_after():
 ])
 def test_bad_speculative_configs_say_what_is_supported(given, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        EngineConfig("m", speculative_config=given)
+        EngineConfig("m", speculative_config=given, tensor_parallel_size=2)
+
+
+def test_draft_model_configs_as_vllm_spells_them():
+    spec = parse_speculative_config(
+        '{"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 3}')
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/m/draft", 3)
+    # vLLM's older spelling: a model and no method is a draft model; "ngram" is the method.
+    given = {"model": "/m/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    assert parse_speculative_config(given).method == "draft_model"
+    old_ngram = {"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    assert parse_speculative_config(old_ngram).method == "ngram"
+    assert "model" in old_ngram  # the caller's dict is left as given
 
 
 def test_config_defaults_and_refusals():
@@ -197,3 +221,28 @@ def test_greedy_rows_pick_the_argmax_at_every_position():
                                 output_token_ids=[[]] * 3, generators=[None] * 3,
                                 draft_token_ids=[[1, 2]])
     assert Sampler()(logits, metadata).token_ids == [1, 0, 2]
+
+
+def test_a_named_shape_drafts_with_random_weights():
+    """Benchmarks: a named shape as the draft loads random weights beside the target's; a
+    table of another size with no tokenizer to compare is refused."""
+    from inference.model_shapes import SHAPES
+    from inference.models.config import ModelConfig
+    from inference.spec_decode.draft_model import draft_engine_config
+
+    target_model = ModelConfig.from_dict(SHAPES["qwen2.5-1.5b"])
+    target = EngineConfig("m", device="cpu", max_model_len=512).resolve(target_model, "cpu")
+    spec = parse_speculative_config(
+        {"method": "draft_model", "model": "qwen2.5-1.5b", "num_speculative_tokens": 3})
+    config, model_config, _ = draft_engine_config(target, target_model, spec)
+    assert config.load_format == "dummy" and config.max_model_len == 512
+    assert model_config.vocab_size == target_model.vocab_size
+    other = parse_speculative_config(
+        {"method": "draft_model", "model": "qwen2.5-7b", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="152064 tokens, the target 151936, and no tokenizer"):
+        draft_engine_config(target, target_model, other)
+    missing = parse_speculative_config(
+        {"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="draft model '/no/such/draft': model '/no/such/draft'"
+                                         " is not a local folder"):
+        draft_engine_config(target, target_model, missing)

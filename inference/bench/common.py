@@ -92,15 +92,81 @@ def add_engine_args(parser) -> None:
     add_output_args(parser)
 
 
-def spec_decode_summary(engine) -> dict:
-    """Speculative decoding's mean acceptance length (tokens per verifying step and
-    sequence: accepted drafts + the target's own) so far; {} when it is off."""
+def spec_decode_counts(engine) -> tuple[int, int, int]:
+    """(verifying steps x sequences, draft tokens, accepted tokens) so far; zeros when
+    speculative decoding is off. Two readings bracket a measurement."""
+    decoder = getattr(engine, "spec_decoder", None)
+    if decoder is None:
+        return (0, 0, 0)
+    c = decoder.counters
+    return (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+
+
+def spec_decode_summary(engine, since: tuple[int, int, int] = (0, 0, 0)) -> dict:
+    """Speculative decoding since the reading ``since``: the mean acceptance length
+    (tokens per verifying step and sequence: accepted drafts + the target's own) and the
+    acceptance rate (accepted / proposed draft tokens); {} when it is off."""
     decoder = getattr(engine, "spec_decoder", None)
     if decoder is None:
         return {}
-    counters = decoder.counters
-    return {"mean_acceptance_length": round(counters.mean_acceptance_length, 3),
-            "spec_decode_num_drafts": counters.num_drafts}
+    drafts, draft_tokens, accepted = (
+        now - before for now, before in zip(spec_decode_counts(engine), since))
+    return {
+        "speculative_method": decoder.config.method,
+        "num_speculative_tokens": decoder.config.num_speculative_tokens,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+    }
+
+
+def spec_decode_line(summary: dict) -> str:
+    return (f"speculative decoding ({summary['speculative_method']}, k="
+            f"{summary['num_speculative_tokens']}): mean acceptance length "
+            f"{summary['mean_acceptance_length']:.2f}, acceptance rate "
+            f"{100 * summary['acceptance_rate']:.1f} %")
+
+
+def add_workload_args(parser) -> None:
+    parser.add_argument("--workload", choices=["random", "copy"], default="random",
+                        help="random: random token ids of --input-len; copy: each prompt a "
+                        "document of --document-len tokens to be copied (copy-heavy, where "
+                        "n-gram speculation pays; the copy rate measured is reported)")
+    parser.add_argument("--document-len", type=int, default=2048,
+                        help="tokens of each --workload copy document")
+
+
+def workload_input_len(args) -> int:
+    """The longest prompt ``--workload`` makes (what max_model_len must hold)."""
+    if args.workload == "copy":
+        from inference.bench.copy_workload import PROMPT_OVERHEAD_TOKENS
+
+        return args.document_len + PROMPT_OVERHEAD_TOKENS
+    return args.input_len
+
+
+def workload_prompts(args, engine, num: int, length: int, seed: int = 0) -> list[list[int]]:
+    """The prompts of ``--workload``: random ids of ``length``, or copy documents."""
+    vocab = engine.model_config.vocab_size
+    if args.workload == "copy":
+        from inference.bench.copy_workload import copy_prompts
+
+        return copy_prompts(engine.tokenizer, num, args.document_len, vocab, seed)
+    return random_prompts(num, length, vocab, seed)
+
+
+def workload_summary(args, prompts: list[list[int]], outputs) -> dict:
+    """What the records say of ``--workload``: its name, and for copy the document length
+    and the copy rate measured on these outputs."""
+    if args.workload != "copy":
+        return {}
+    from inference.bench.copy_workload import copy_rate
+
+    generated = [o.outputs[0].token_ids for o in outputs]
+    return {"prompt_workload": "copy", "document_len": args.document_len,
+            "prompt_len_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+            "copy_rate": round(copy_rate(prompts, generated), 4)}
 
 
 def add_output_args(parser) -> None:

@@ -9,46 +9,60 @@ import time
 
 from inference.bench.common import (
     add_engine_args,
+    add_workload_args,
     bench_main,
     bench_model,
     engine_kwargs,
-    random_prompts,
     record,
+    spec_decode_counts,
+    spec_decode_line,
     spec_decode_summary,
+    workload_input_len,
+    workload_prompts,
+    workload_summary,
     write_results,
 )
 from inference.model_shapes import resolve_shape_model
 
 
-def _measure(llm, vocab: int, batch: int, input_len: int, output_len: int, iters: int) -> dict:
+def _measure(llm, args, batch: int, output_len: int) -> dict:
     from inference import SamplingParams
 
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len,
                             detokenize=False)
-    llm.generate(random_prompts(batch, input_len, vocab, seed=batch), params, use_tqdm=False)
-    runs = []
-    for it in range(iters):
+    llm.generate(workload_prompts(args, engine, batch, args.input_len, seed=batch), params,
+                 use_tqdm=False)
+    runs, all_prompts, all_outputs = [], [], []
+    spec_before = spec_decode_counts(engine)
+    for it in range(args.num_iters):
         # Fresh prompts each iteration: the prefix cache must not make later runs free.
-        prompts = random_prompts(batch, input_len, vocab, seed=1000 * batch + it)
+        prompts = workload_prompts(args, engine, batch, args.input_len, seed=1000 * batch + it)
         start = time.perf_counter()
         wall0 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         ttft = statistics.mean(o.metrics.first_token_time - wall0 for o in outs)
         runs.append((elapsed, ttft))
+        all_prompts += prompts
+        all_outputs += outs
     elapsed = statistics.median(r[0] for r in runs)
     ttft = statistics.median(r[1] for r in runs)
     tpot = (elapsed - ttft) / max(output_len - 1, 1)
+    input_len = round(sum(map(len, all_prompts)) / len(all_prompts))
     return dict(
         num_prompts=batch, batch_size=batch, input_len=input_len, output_len=output_len,
         latency_s=round(elapsed, 4), ttft_ms=round(ttft * 1e3, 2), tpot_ms=round(tpot * 1e3, 3),
         output_tok_s=round(batch * output_len / elapsed, 1),
         total_tok_s=round(batch * (input_len + output_len) / elapsed, 1), engine="pagoda",
+        **workload_summary(args, all_prompts, all_outputs),
+        **spec_decode_summary(engine, spec_before),
     )
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser)
+    add_workload_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, nargs="+", default=[128],
@@ -62,24 +76,23 @@ def run_latency(args: argparse.Namespace) -> int:
 
     folder, extra = resolve_shape_model(bench_model(args))
     max_out = max(args.output_len)
-    llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + max_out)))
-    vocab = llm.engine.model_config.vocab_size
+    llm = LLM(folder, **(extra | engine_kwargs(args, workload_input_len(args) + max_out)))
     results = []
     for output_len in args.output_len:
         for batch in args.batch_size:
-            result = _measure(llm, vocab, batch, args.input_len, output_len, args.num_iters)
+            result = _measure(llm, args, batch, output_len)
             results.append(record("latency", model=args.model,
                                   tensor_parallel_size=llm.engine.config.tensor_parallel_size,
                                   quantization=llm.engine.config.quantization,
                                   kv_cache_dtype=llm.engine.config.kv_cache_dtype,
-                                  **result, **spec_decode_summary(llm.engine)))
+                                  **result))
             print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
                   f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
-                  f"{result['output_tok_s']:9.0f} out tok/s")
-    spec = spec_decode_summary(llm.engine)
-    if spec:
-        print(f"speculative decoding: mean acceptance length "
-              f"{spec['mean_acceptance_length']:.2f}")
+                  f"{result['output_tok_s']:9.0f} out tok/s"
+                  + (f"  copy rate {100 * result['copy_rate']:.0f} %"
+                     if "copy_rate" in result else ""))
+            if "mean_acceptance_length" in result:
+                print("  " + spec_decode_line(result))
     write_results(args, results)
     return 0
 

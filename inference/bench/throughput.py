@@ -8,12 +8,18 @@ import time
 
 from inference.bench.common import (
     add_engine_args,
+    add_workload_args,
     bench_main,
     bench_model,
     engine_kwargs,
     random_prompts,
     record,
+    spec_decode_counts,
+    spec_decode_line,
     spec_decode_summary,
+    workload_input_len,
+    workload_prompts,
+    workload_summary,
     write_results,
 )
 from inference.model_shapes import resolve_shape_model
@@ -21,6 +27,7 @@ from inference.model_shapes import resolve_shape_model
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser)
+    add_workload_args(parser)
     parser.add_argument("--num-prompts", type=int, default=1024)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
@@ -35,40 +42,44 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     folder, extra = resolve_shape_model(bench_model(args))
     t0 = time.perf_counter()
-    llm = LLM(folder, **(extra | engine_kwargs(args, args.input_len + args.output_len)))
+    llm = LLM(folder, **(extra | engine_kwargs(args, workload_input_len(args) + args.output_len)))
     startup_s = time.perf_counter() - t0
     engine = llm.engine
-    prompts = random_prompts(args.num_prompts, args.input_len, engine.model_config.vocab_size)
+    prompts = workload_prompts(args, engine, args.num_prompts, args.input_len)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len,
                             detokenize=False)
     llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)  # warm-up
+    spec_before = spec_decode_counts(engine)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    num_in = sum(map(len, prompts))
     result = record(
         "throughput",
         model=args.model,
         tensor_parallel_size=engine.config.tensor_parallel_size,
         quantization=engine.config.quantization,
         num_prompts=args.num_prompts,
-        input_len=args.input_len,
+        input_len=round(num_in / len(prompts)),
         output_len=args.output_len,
         elapsed_s=round(elapsed, 3),
         output_tok_s=round(num_out / elapsed, 1),
-        total_tok_s=round((num_out + args.num_prompts * args.input_len) / elapsed, 1),
+        total_tok_s=round((num_out + num_in) / elapsed, 1),
         requests_s=round(args.num_prompts / elapsed, 2),
         startup_s=round(startup_s, 1),
         kv_cache_tokens=engine.num_total_blocks * engine.config.block_size,
         kv_cache_dtype=engine.config.kv_cache_dtype,
         engine="pagoda",
-        **spec_decode_summary(engine),
+        **workload_summary(args, prompts, outs),
+        **spec_decode_summary(engine, spec_before),
     )
-    print(f"pagoda   {args.model}: {args.num_prompts} x {args.input_len}/{args.output_len}: "
+    print(f"pagoda   {args.model}: {args.num_prompts} x {result['input_len']}/{args.output_len}: "
           f"{result['output_tok_s']:.0f} output tok/s ({elapsed:.2f} s), "
           f"KV {result['kv_cache_tokens']} tokens, start {startup_s:.1f} s"
-          + (f", mean acceptance length {result['mean_acceptance_length']:.2f}"
-             if "mean_acceptance_length" in result else ""))
+          + (f", copy rate {100 * result['copy_rate']:.0f} %" if "copy_rate" in result else ""))
+    if "mean_acceptance_length" in result:
+        print(spec_decode_line(result))
     results = [result]
     if args.peer == "transformers":
         del llm, engine

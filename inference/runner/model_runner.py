@@ -241,6 +241,18 @@ class ModelRunner:
         input_ids = resolve_placeholders(input_ids, self.sampled_ids)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    @torch.inference_mode()
+    def run_model(self, inputs: StepInputs, use_graphs: bool = True) -> torch.Tensor:
+        """The model's final hidden states over a step's tokens: through a captured graph
+        where one fits, else eagerly."""
+        graphs = self.graphs
+        if graphs is not None and use_graphs and graphs.fits(inputs):
+            return graphs.run(inputs)
+        input_ids, positions, meta = self._to_device(inputs)
+        if inputs.has_placeholders:
+            return self.forward(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     def launch(
         self,
         seqs: list[Sequence],
@@ -260,18 +272,10 @@ class ModelRunner:
         self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
     ) -> StepHandle:
         """The same from host arrays: what a tensor-parallel worker receives."""
-        graphs = self.graphs
         # A step that verifies drafts runs eagerly: its queries of k + 1 tokens are not
         # among the captured decode shapes (graphs for it are future GPU work).
         verifying = sampling.draft_token_ids is not None
-        if graphs is not None and not verifying and graphs.fits(inputs):
-            hidden = graphs.run(inputs)
-        else:
-            input_ids, positions, meta = self._to_device(inputs)
-            if inputs.has_placeholders:
-                hidden = self.forward(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.run_model(inputs, use_graphs=not verifying)
         prompt_logprobs = None
         if sampling.prompt_logprobs:
             prompt_logprobs = compute_prompt_logprobs(

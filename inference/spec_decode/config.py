@@ -2,9 +2,10 @@
 
 ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
 "prompt_lookup_max": 4, "prompt_lookup_min": 2}'`` (or the same dict in
-``LLM(speculative_config=...)``). Only the n-gram method is built; the others vLLM knows
-are refused by name, so a vLLM command line fails with a sentence instead of running
-without the draft model it asked for.
+``LLM(speculative_config=...)``), or ``{"method": "draft_model", "model": PATH,
+"num_speculative_tokens": 4}`` (a smaller model sharing the target's tokenizer). The other
+methods vLLM knows (EAGLE, MTP, ...) are refused by name, so a vLLM command line fails with
+a sentence instead of running without the heads it asked for.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 # Known to vLLM, not built here (yet).
-UNBUILT_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
-                   "suffix")
+UNBUILT_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 # Above this many running sequences a step does not speculate: verifying k drafts per row
 # multiplies the step's tokens by up to k + 1, which pays at small batches (memory-bound
 # decode) and costs at large ones (compute-bound). Conservative until measured on the
@@ -28,18 +28,24 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 0  # n-gram only
+    prompt_lookup_min: int = 0
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # draft_model: the draft's folder (or hub id), as the target's
 
     def summary(self) -> str:
-        return (f"{self.method}: k={self.num_speculative_tokens}, n-gram "
-                f"{self.prompt_lookup_min}..{self.prompt_lookup_max}, off above batch "
+        how = (f"n-gram {self.prompt_lookup_min}..{self.prompt_lookup_max}"
+               if self.method == "ngram" else f"draft {self.model}")
+        return (f"{self.method}: k={self.num_speculative_tokens}, {how}, off above batch "
                 f"{self.disable_by_batch_size}")
 
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "disable_by_batch_size")
+_COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
+_KEYS = {
+    "ngram": (*_COMMON_KEYS, "prompt_lookup_max", "prompt_lookup_min"),
+    # draft_tensor_parallel_size: vLLM's key; only 1 (the draft runs beside the target).
+    "draft_model": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
+}
 
 
 def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
@@ -54,18 +60,19 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
             raise ValueError(f"speculative_config is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    method = value.get("method")
-    if method in UNBUILT_METHODS:
-        raise ValueError(f"speculative_config method {method!r} is not supported yet; "
-                         f"supported: {list(SUPPORTED_METHODS)}")
-    if method not in SUPPORTED_METHODS:
-        raise ValueError(f"speculative_config needs a method, one of "
-                         f"{list(SUPPORTED_METHODS)}; got {method!r}")
-    unknown = sorted(set(value) - set(_KEYS))
+    method = _method(value)
+    given = set(value)
+    if value.get("model") in ("ngram", "[ngram]"):
+        given.discard("model")  # vLLM's old spelling of the method, not a model
+    unknown = sorted(given - set(_KEYS[method]))
     if unknown:
         raise ValueError(f"speculative_config keys {unknown} are not supported for "
-                         f"method 'ngram'; known: {list(_KEYS)}")
+                         f"method {method!r}; known: {list(_KEYS[method])}")
     k = _positive_int(value, "num_speculative_tokens", None)
+    batch = _positive_int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    if method == "draft_model":
+        return SpeculativeConfig(method, k, disable_by_batch_size=batch,
+                                 model=_draft_model(value))
     # As vLLM: one bound given stands for both; neither, 5.
     lookup_min = value.get("prompt_lookup_min", value.get("prompt_lookup_max", 5))
     lookup_max = value.get("prompt_lookup_max", lookup_min)
@@ -74,8 +81,37 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     if lookup_min > lookup_max:
         raise ValueError(f"speculative_config prompt_lookup_min ({lookup_min}) exceeds "
                          f"prompt_lookup_max ({lookup_max})")
-    batch = _positive_int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     return SpeculativeConfig(method, k, lookup_max, lookup_min, batch)
+
+
+def _method(value: dict[str, Any]) -> str:
+    """The method asked for. As vLLM's ``SpeculativeConfig``: without a method, a
+    ``model`` of "ngram" means n-gram lookup and any other model a draft model."""
+    method = value.get("method")
+    model = value.get("model")
+    if method is None and isinstance(model, str):
+        method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        if method == "draft_model" and "eagle" in model.lower():
+            method = "eagle"  # vLLM reads an EAGLE head from its name the same way
+    if method in UNBUILT_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported yet; "
+                         f"supported: {list(SUPPORTED_METHODS)}")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"speculative_config needs a method, one of "
+                         f"{list(SUPPORTED_METHODS)}; got {method!r}")
+    return method
+
+
+def _draft_model(value: dict[str, Any]) -> str:
+    model = value.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config method 'draft_model' needs model: the draft "
+                         "model's folder (or hub id), sharing the target's tokenizer")
+    draft_tp = value.get("draft_tensor_parallel_size", 1)
+    if draft_tp != 1:
+        raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} is not "
+                         "supported: the draft model runs on the target's one GPU (1)")
+    return model
 
 
 def _positive_int(value: dict[str, Any], key: str, default: int | None) -> int:

@@ -1,7 +1,8 @@
 """The engine side of speculative decoding: who drafts this step, and what came of it.
 
 ``SpecDecoder.propose`` runs before a step is scheduled and gives eligible running
-sequences their drafts. A sequence drafts only where the result is exactly what
+sequences their drafts (a draft model's are placeholders until ``SpecDecoder.fill``, after
+the schedule has reserved their KV slots: the draft model writes its own KV there). A sequence drafts only where the result is exactly what
 non-speculative decoding would produce and where drafting is likely to pay:
 
 - decoding (one uncomputed token, every token known: no placeholder of a step in flight);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inference.sampler import SamplerOutput
 from inference.sequence import Sequence, SequenceStatus
@@ -66,10 +68,23 @@ class VerifiedTokens:
     extra: list[list[tuple[int, object]]]
 
 
+class DraftProposer(Protocol):
+    """A proposer that runs a model (``inference.spec_decode.draft_model``): it needs the
+    step's KV slots, so it fills drafts after the schedule reserved them."""
+
+    def propose(self, seqs: list[Sequence]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
+        """``draft``: the draft model of ``method="draft_model"`` (None for n-gram)."""
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative method {config.method!r} with draft {draft!r}")
         self.config = config
-        self.proposer = NgramProposer(
+        self.draft = draft
+        self.proposer = None if draft is not None else NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.counters = SpecDecodeCounters(
@@ -105,8 +120,20 @@ class SpecDecoder:
         if self._step < state.resume_at_step:
             return []
         room = seq.num_prompt_tokens + seq.params.max_tokens - seq.num_tokens - 1
+        if self.draft is not None:  # placeholders: the draft model fills them (``fill``)
+            return [0] * max(0, min(room, self.config.num_speculative_tokens))
         tokens = state.history.sync(seq.token_ids, seq.num_tokens)
         return self.proposer.propose(tokens, room)
+
+    def fill(self, scheduled: list[Sequence]) -> None:
+        """After the schedule reserved KV slots for the drafts (and trimmed them to the
+        budget): the draft model's guesses in place of the placeholders."""
+        if self.draft is not None:
+            self.draft.propose(scheduled)
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
 
     def split(
         self, output: SamplerOutput, seqs: list[Sequence], drafts: list[list[int]]

@@ -5,6 +5,7 @@ This is the operator's whole knowledge of the engine (seam 1): ``pagoda serve`` 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
@@ -73,6 +74,8 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
         args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
     if engine.get("quantization") is not None:
         args += ["--quantization", engine["quantization"]]
+    if engine.get("speculative") is not None:
+        args += ["--speculative-config", speculative_config(engine["speculative"])]
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).
@@ -82,6 +85,25 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     # readable by anyone who can list the node's processes.
     args += [str(arg) for arg in engine.get("extraArgs") or []]
     return args
+
+
+# spec.engine.speculative field -> the engine's speculative_config key (vLLM's spelling).
+_SPECULATIVE_KEYS = (
+    ("method", "method"),
+    ("numSpeculativeTokens", "num_speculative_tokens"),
+    ("promptLookupMax", "prompt_lookup_max"),
+    ("promptLookupMin", "prompt_lookup_min"),
+    ("disableByBatchSize", "disable_by_batch_size"),
+    ("draftModel", "model"),
+)
+
+
+def speculative_config(speculative: dict[str, Any]) -> str:
+    """``--speculative-config``'s JSON: the fields set, in a fixed order (the pod template,
+    and so the rollout, changes only when the spec does)."""
+    config = {key: speculative[field] for field, key in _SPECULATIVE_KEYS
+              if speculative.get(field) is not None}
+    return json.dumps(config, separators=(",", ":"))
 
 
 def _format_number(value: float) -> str:

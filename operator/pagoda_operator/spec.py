@@ -23,6 +23,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # The engine's --quantization choices (tests/test_settings_contract.py keeps them equal).
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
+# The engine's speculative_config methods (tests/test_settings_contract.py keeps them equal).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -51,6 +53,7 @@ MANAGED_FLAGS = (
     "--tool-call-parser",
     "--api-key",
     "--shutdown-grace-seconds",
+    "--speculative-config",
 )
 
 # The engine's own defaults for maxNumSeqs, which depend on where it runs (no CRD default
@@ -270,8 +273,52 @@ def _engine_errors(engine: dict[str, Any]) -> list[str]:
         )
     if engine.get("device") == "cpu" and tp not in (None, 1):
         errors.append("spec.engine.tensorParallelSize: device cpu runs with 1 only")
+    errors += _speculative_errors(engine)
     errors += _extra_args_errors(engine.get("extraArgs") or [])
     return errors
+
+
+def _speculative_errors(engine: dict[str, Any]) -> list[str]:
+    speculative = engine.get("speculative")
+    if speculative is None:
+        return []
+    where = "spec.engine.speculative"
+    method = speculative.get("method")
+    if method not in SPECULATIVE_METHODS:
+        return [f"{where}.method: must be one of {', '.join(SPECULATIVE_METHODS)} "
+                f"(got {method!r})"]
+    errors = []
+    k = speculative.get("numSpeculativeTokens")
+    if not _is_int(k) or not 1 <= k <= 16:
+        errors.append(f"{where}.numSpeculativeTokens: must be in 1..16 (got {k!r})")
+    if engine.get("tensorParallelSize") not in (None, 1):
+        errors.append(f"{where}: speculative decoding runs with tensorParallelSize 1 only")
+    lookup = [speculative.get("promptLookupMin"), speculative.get("promptLookupMax")]
+    if method != "ngram" and any(v is not None for v in lookup):
+        errors.append(f"{where}: promptLookupMin and promptLookupMax go with method ngram")
+    elif None not in lookup and lookup[0] > lookup[1]:
+        errors.append(f"{where}: promptLookupMin must be <= promptLookupMax")
+    draft = speculative.get("draftModel")
+    if method == "draft_model":
+        errors += _draft_model_errors(where, draft)
+    elif draft is not None:
+        errors.append(f"{where}.draftModel: goes with method draft_model")
+    return errors
+
+
+def _draft_model_errors(where: str, draft: Any) -> list[str]:
+    if not draft:
+        return [f"{where}.draftModel: required with method draft_model"]
+    if "://" in str(draft):
+        # The loader Job delivers one source (spec.model.source); a draft fetched the same
+        # way needs a second folder in the cache, not built yet.
+        return [f"{where}.draftModel: {draft!r} is not delivered yet (hf:// and s3:// "
+                "draft models are not downloaded); give the draft's folder in the engine "
+                "container as an absolute path: baked into the image, or under a mounted "
+                "volume such as /models"]
+    if not str(draft).startswith("/"):
+        return [f"{where}.draftModel: must be an absolute path (got {draft!r})"]
+    return []
 
 
 def _extra_args_errors(extra_args: list[Any]) -> list[str]:

@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram) is lossless: greedy output equals non-speculative decoding
-token for token (with logprobs within fp32 tolerance) across chunked prefill, prefix
-caching, preemption, async scheduling on and off, stop strings, stop tokens and EOS inside
-accepted drafts, min_tokens and max_tokens cutting through drafts; sampling keeps the
-target's distribution; drafts were in fact accepted; the prefix cache never holds a
-rejected draft; every KV block comes back."""
+"""Speculative decoding (n-gram lookup and draft models) is lossless: greedy output
+equals non-speculative decoding token for token (with logprobs within fp32 tolerance)
+across chunked prefill, prefix caching, preemption, async scheduling on and off, stop
+strings, stop tokens and EOS inside accepted drafts, min_tokens and max_tokens cutting
+through drafts; sampling keeps the target's distribution; drafts were in fact accepted;
+the prefix cache never holds a rejected draft; every KV block comes back. A draft model's
+own KV (mirroring the target's blocks) must survive preemption and prefix-cache hits: with
+the target as its own draft, acceptance near 100 % shows it does."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_successor_model, build_tiny_model
+from tiny_models import build_successor_model, build_tiny_model, build_tokenizer
 
 from inference import LLM, SamplingParams
 from inference.server.metrics import ServerMetrics
@@ -65,11 +67,12 @@ def _check_engine_clean(llm: LLM, outputs) -> None:
     assert cached <= {tokens for _, tokens in real}
 
 
-def _compare(folder: str, prompts, params, require_acceptance=True, **kwargs):
+def _compare(folder: str, prompts, params, require_acceptance=True, speculative=NGRAM,
+             **kwargs):
     """Same outputs with and without speculation; returns the speculative engine's LLM."""
     settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 400, **kwargs}
     plain = LLM(folder, **settings)
-    spec = LLM(folder, speculative_config=NGRAM, **settings)
+    spec = LLM(folder, speculative_config=speculative, **settings)
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert _summary(got) == _summary(want)
@@ -227,3 +230,141 @@ def test_acceptance_length_on_real_text():
         lengths[name] = 1 + (after.num_accepted_tokens - accepted) / max(steps, 1)
     print(f"SmolLM2-135M n-gram (k=4, n=2..4) mean acceptance length: {lengths}")
     assert lengths["copy-heavy"] > 1.5
+
+
+# -- draft_model: a second model proposes; the target verifies as for n-gram lookup ------
+# The cycling model with two successors changed: as a draft it is wrong after 12 and 21.
+PERTURBED = {**CYCLES, 12: 20, 21: 10}
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(tmp_path_factory):
+    path = tmp_path_factory.mktemp("successor-perturbed")
+    build_successor_model(path, PERTURBED)
+    return str(path)
+
+
+def _draft(folder: str, k: int = 4, **extra) -> dict:
+    return {"method": "draft_model", "model": folder, "num_speculative_tokens": k, **extra}
+
+
+def _acceptance(llm: LLM) -> float:
+    counters = llm.engine.spec_decoder.counters
+    return counters.num_accepted_tokens / max(counters.num_draft_tokens, 1)
+
+
+@pytest.mark.parametrize("engine", [
+    {"async_scheduling": True},
+    {"async_scheduling": False},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill; budget trims drafts
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
+])
+def test_draft_model_greedy_output_is_unchanged(cycling, perturbed_draft, engine):
+    """The target as its own draft accepts nearly everything; a perturbed copy measurably
+    less. Both give the plain engine's output, logprobs included."""
+    folder, tokenizer = cycling
+    prompts, params = _cycling_workload(tokenizer)
+    itself = _compare(folder, prompts, params, speculative=_draft(folder), **engine)
+    perturbed = _compare(folder, prompts, params, speculative=_draft(perturbed_draft),
+                         **engine)
+    assert _acceptance(itself) > 0.85
+    assert 0.1 < _acceptance(perturbed) < _acceptance(itself) - 0.1
+    if "num_kv_blocks" in engine:
+        assert itself.engine.scheduler.num_preemptions > 0
+        assert perturbed.engine.scheduler.num_preemptions > 0
+
+
+def test_draft_model_is_lossless_on_a_random_model(random_llama, tmp_path):
+    """A random target verifying itself (draft KV must track the target's positions
+    exactly, or acceptance falls) and verifying an unrelated random draft (little
+    accepted): the plain engine's output both times."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25), ignore_eos=True,
+                             logprobs=rng.choice([None, 2])) for _ in prompts]
+    # Preemption drops both caches' blocks: the draft's KV must be recomputed, not reused.
+    itself = _compare(random_llama, prompts, params, speculative=_draft(random_llama, 3),
+                      num_kv_blocks=14, max_num_batched_tokens=16, max_model_len=48)
+    assert itself.engine.scheduler.num_preemptions > 0
+    assert _acceptance(itself) > 0.9
+    other = tmp_path / "other"
+    build_tiny_model(other, "llama", seed=7)
+    _compare(random_llama, prompts, params, require_acceptance=False,
+             speculative=_draft(str(other), 3), async_scheduling=False)
+
+
+def test_draft_model_recomputes_its_kv_under_a_prefix_cache_hit(random_llama):
+    """A prompt cached by a request that never drafted (penalised) holds the target's KV
+    only: a later request hitting it must not read the draft's KV from those blocks. With
+    the target as its own draft, acceptance stays near 100 % only if it recomputes it."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 300) for _ in range(24)]
+    penalised = SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [prefix + [rng.randrange(3, 300) for _ in range(3)] for _ in range(3)]
+    settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 200}
+    outputs = {}
+    for name, speculative in (("plain", None), ("draft", _draft(random_llama, 3))):
+        llm = LLM(random_llama, speculative_config=speculative, **settings)
+        llm.generate([prefix], penalised, use_tqdm=False)
+        outputs[name] = _summary(llm.generate(prompts, params, use_tqdm=False))
+    assert outputs["draft"] == outputs["plain"]
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+    assert _acceptance(llm) > 0.9
+
+
+def test_draft_model_aborts_free_the_draft_state_with_the_blocks(cycling):
+    folder, _ = cycling
+    llm = LLM(folder, max_model_len=160, block_size=4, num_kv_blocks=100,
+              speculative_config=_draft(folder))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("a", [10, 11, 12, 13, 14, 10, 11], params)
+    engine.add_request("b", [20, 21, 22], params)
+    for _ in range(4):
+        engine.step()
+    assert engine.spec_decoder.counters.num_drafts > 0
+    engine.abort_request(["a", "b"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.num_total_blocks
+
+
+def test_draft_model_sampling_keeps_the_distribution(cycling, perturbed_draft):
+    """Temperature 1, a draft that is often right and sometimes wrong: positions 1-3 are
+    distributed as without speculation (greedy drafts are point masses: the same
+    rejection rule as n-gram drafts)."""
+    folder, _ = cycling
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    num = 300
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=num)
+    settings = {"max_model_len": 32, "block_size": 8, "num_kv_blocks": 2 * num, "seed": 1,
+                "max_num_seqs": num}
+    plain = LLM(folder, **settings).generate([prompt], params, use_tqdm=False)
+    spec_llm = LLM(folder, **settings,
+                   speculative_config=_draft(perturbed_draft, 3, disable_by_batch_size=1024))
+    spec = spec_llm.generate([prompt], params, use_tqdm=False)
+    counters = spec_llm.engine.spec_decoder.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    for position in range(1, 4):
+        a = np.array([c.token_ids[position] for c in plain[0].outputs])
+        b = np.array([c.token_ids[position] for c in spec[0].outputs])
+        assert _two_sample_p_value(a, b) > 1e-4, position
+
+
+def test_a_draft_must_share_the_targets_tokenizer(cycling, tmp_path):
+    """Embedding tables of different sizes with one tokenizer (as Qwen2.5-0.5B drafting
+    for the 7B) draft losslessly; another tokenizer is refused."""
+    folder, tokenizer = cycling
+    padded = tmp_path / "padded"
+    build_tiny_model(padded, "llama", vocab_size=320)  # the same tokenizer, a smaller table
+    prompts, params = _cycling_workload(tokenizer)
+    _compare(folder, prompts, params, require_acceptance=False,
+             speculative=_draft(str(padded)))
+    other = tmp_path / "other-tokenizer"
+    build_tiny_model(other, "llama", vocab_size=300)
+    build_tokenizer(other, vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 384, and its "
+                                         "tokenizer differs"):
+        LLM(folder, max_model_len=64, num_kv_blocks=40, speculative_config=_draft(str(other)))
