@@ -93,3 +93,41 @@ def test_matrix_spec_decode_fp32(models, index):
     print("\n" + context)
     assert report.max_abs_diff <= FP32_TOL, context
     assert report.argmax_mismatches == 0, context
+
+
+# -- draft_model: the target as its own draft (drafts accepted) and the matrix's model of
+# another architecture's weights would differ in vocabulary; so a perturbed copy instead.
+def _perturbed_copy(source: str, folder) -> str:
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    (weights,) = Path(folder).glob("*.safetensors")
+    tensors = load_file(weights)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.down_proj.weight"):
+            tensors[name] = tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=gen)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("index,draft", [(1, "self"), (7, "perturbed"), (20, "self"),
+                                          (26, "perturbed")])  # fmt: skip
+def test_matrix_draft_model_fp32(models, tmp_path, index, draft):
+    from gpu_matrix import ARCHS
+
+    setting = GPU_MATRIX[index]
+    source = models[ARCHS[index % len(ARCHS)]][0]
+    folder = source if draft == "self" else _perturbed_copy(source, tmp_path / "draft")
+    config = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3}
+    arch, model, results, _, workload = run_matrix_row(
+        models, index, setting, seed=8500, speculative_config=config)
+    report = compare(results, Reference(model.to("cuda").float(), "cuda"))
+    context = (f"{arch} draft {draft} {setting_id(setting)}: {report.summary()}; "
+               f"{workload.describe()}")  # fmt: skip
+    print("\n" + context)
+    assert report.max_abs_diff <= FP32_TOL, context
+    assert report.argmax_mismatches == 0, context
