@@ -17,10 +17,12 @@ result (plus bias, in x's dtype) cast to x's dtype.
 Implementations of the one signature, chosen by shape and device only (no host syncs:
 a CUDA graph captures them as they are):
 
-- the Triton GEMV (``kernels/_triton/int4_linear.py``) for decode-sized steps
-  (M <= ``GEMV_MAX_M``): streams the packed codes, dequantizes and multiplies in float32;
-- the Triton GEMM for larger M: dequantizes [BLOCK_K, BLOCK_N] tiles to x's dtype into
-  ``tl.dot`` (float32 x: exact float32 products);
+- the Triton word GEMV (``kernels/_triton/int4_linear.py``) for decode-sized steps
+  (M <= ``GEMV_MAX_M``) without act order: streams the packed words, dequantizes and
+  multiplies in float32 (the first GEMV, one program a row, where a g_idx is given);
+- above that, with the model's shared scratch buffer: the projection dequantized into it
+  and multiplied by cuBLAS; without one, the Triton GEMM (dequantizes [BLOCK_K, BLOCK_N]
+  tiles to x's dtype into ``tl.dot``; float32 x: exact float32 products);
 - ``int4_linear_ref``, plain torch in float32, everywhere else (CPU).
 """
 
@@ -28,8 +30,12 @@ import torch
 
 from kernels._backend import kernel_for
 
-# Largest token count the GEMV takes; above it the GEMM's tensor cores pay.
-GEMV_MAX_M = 16
+# Largest token count the GEMV takes. The word GEMV is issue-bound (its cost grows with
+# the rows: on the H200 7B gate_up 64 us at 1 row, 120 at 4, 235 at 8), while dequantizing
+# into the scratch and cuBLAS costs about the same at any row count (~2.5 bytes an element
+# to dequantize plus bf16's own stream: ~170 us for 7B gate_up, estimated from bandwidth and
+# the measured bf16 GEMM; the crossover lies between 4 and 8 rows).
+GEMV_MAX_M = 4
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

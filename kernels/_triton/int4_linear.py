@@ -273,15 +273,21 @@ def words_eligible(group_size: int, num_groups: int, g_idx: torch.Tensor | None)
 
 
 def words_config_for(m: int, n: int, k: int) -> WordsConfig:
-    """Enough programs to keep every SM streaming: K split until there are ~4 per SM."""
-    rows = 1 if m <= 1 else 2 if m <= 2 else 4
-    block_n, block_w = 16, 32
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, rows)
-    split = 1
-    max_split = max(1, triton.cdiv(triton.cdiv(k, 8), block_w))
-    while programs * split < 528 and split * 2 <= min(16, max_split):
-        split *= 2
-    return WordsConfig(block_n=block_n, block_w=block_w, split=split, rows=rows)
+    """The launch measured best on one H200 (``inference/bench/int4_check.py``, Qwen2.5-1.5B
+    and 7B projections, groups of 128, results/int4_check_h200.json): the vec variant; up
+    to 4 rows, tiles of 8 outputs x 64 words unless that gives too few programs (then K
+    split 4 ways, or 8 for K >= 16k); above, 4-row blocks of 16 outputs x 32 words, K in
+    halves, except for wide projections of short K."""
+    if m <= 4:
+        rows = 1 if m <= 1 else 2 if m <= 2 else 4
+        if k >= 16384:
+            return WordsConfig(block_n=8, block_w=32, split=8, rows=rows, vec=True)
+        if triton.cdiv(n, 8) < 400:
+            return WordsConfig(block_n=8, block_w=32, split=4, rows=rows, vec=True)
+        return WordsConfig(block_n=8, block_w=64, split=1, rows=rows, vec=True)
+    if n >= 4096 and k < 8192:
+        return WordsConfig(block_n=8, block_w=64, split=1, rows=4, vec=True)
+    return WordsConfig(block_n=16, block_w=32, split=2, rows=4, vec=True)
 
 
 def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

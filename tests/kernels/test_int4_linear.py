@@ -122,13 +122,26 @@ def test_dequantize_into_gives_the_weight(n, k, group_size, act_order) -> None:
         assert ((out.double() - weight).abs() <= ulp * weight.abs()).all(), dtype
 
 
+def test_scratch_path_dequantizes_then_multiplies(triton_calls) -> None:
+    """Above GEMV_MAX_M rows with a scratch buffer: dequantized into it, then a plain matmul
+    (no Triton GEMM call), bias added, into ``out``."""
+    (qweight, scales, zeros, g_idx), weight = layout(24, 384, 128, True, seed=4)
+    x = torch.randn(GEMV_MAX_M + 3, 384)
+    bias = torch.randn(24)
+    scratch = torch.full((24 * 384 + 5,), float("nan"))
+    out = torch.empty(GEMV_MAX_M + 3, 24)
+    result = int4_linear(x, qweight, scales, zeros, 128, g_idx, bias, out, scratch)
+    assert result.data_ptr() == out.data_ptr() and triton_calls == []
+    assert rel_err(out, x.double() @ weight.T + bias.double()) < 2e-5
+
+
 def test_out_buffer_and_leading_dims(triton_calls) -> None:
     (qweight, scales, zeros, g_idx), weight = layout(16, 64, 32, False, seed=1)
-    x = torch.randn(2, 3, 64)
-    out = torch.empty(2, 3, 16)
+    x = torch.randn(2, 2, 64)  # GEMV_MAX_M rows
+    out = torch.empty(2, 2, 16)
     result = int4_linear(x, qweight, scales, zeros, 32, out=out)
     assert result.data_ptr() == out.data_ptr() and triton_calls == [True]
-    assert rel_err(out.reshape(6, 16), x.reshape(6, 64).double() @ weight.T) < 2e-5
+    assert rel_err(out.reshape(4, 16), x.reshape(4, 64).double() @ weight.T) < 2e-5
 
 
 def test_bad_layouts_are_refused() -> None:
