@@ -62,6 +62,11 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_num_accepted_tokens_per_pos_total: tuple[int, ...] = ()
+    # LoRA (vllm:lora_requests_info): adapters of the running and the waiting sequences,
+    # and the slots (0: LoRA is off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass

@@ -33,6 +33,8 @@ from inference.engine_messages import EngineStats
 from inference.engine_setup import build_engine, ensure_writable_kernel_cache, resolve_engine_config
 from inference.executor.interface import ModelExecutor, PendingStep
 from inference.generation_defaults import generation_defaults
+from inference.lora.registry import LoRARegistry, adapter_names
+from inference.lora.request import LoRARequest
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
 from inference.sampler import (
@@ -127,6 +129,8 @@ class LLMEngine:
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
         # prompt-logprob work only while there are any.
         self._unscored: set[Sequence] = set()
+        # LoRA adapters requests may name, each checked once (inference.lora).
+        self.loras = LoRARegistry(config.enable_lora, self.model_config, config.max_lora_rank)
 
     # -- intake ------------------------------------------------------------------------
     def add_request(
@@ -135,10 +139,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError, changing nothing, on bad input."""
+        """Validate and queue a request (``lora_request``: the LoRA adapter it runs with).
+        Raises ValueError, changing nothing, on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.loras.check(lora_request)
         params = (params or SamplingParams()).clone()
         params.validate()
         check_max_logprobs(params, self.config.max_logprobs)
@@ -180,7 +187,8 @@ class LLMEngine:
                 generator = torch.Generator(device="cpu" if on_host else self.device)
                 generator.manual_seed(params.seed + index)
             seq = Sequence(
-                self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator
+                self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator,
+                lora_request,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -433,6 +441,19 @@ class LLMEngine:
             draft_token_ids=drafts,
         )
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check an adapter so that requests may name it (vLLM's ``add_lora``); its tensors
+        load when a step first needs them. ValueError for one that cannot be served."""
+        self.loras.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: it leaves its device slot and the CPU cache (requests running
+        with it finish with it). False if no adapter has that id."""
+        request = self.loras.remove(lora_int_id)
+        if request is not None:
+            self.runner.forget_lora(request)
+        return request is not None
+
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
         """Raise RuntimeError (with the reason) if the engine can no longer run steps: a
@@ -486,7 +507,17 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
             spec_decode_num_accepted_tokens_per_pos_total=(
                 tuple(spec.accepted_per_position) if spec else ()),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if not self.config.enable_lora:
+            return {}
+        return {
+            "running_lora_adapters": adapter_names(self.scheduler.running),
+            "waiting_lora_adapters": adapter_names(self.scheduler.waiting),
+            "max_lora": self.config.max_loras,
+        }
 
 
 def _prompt_logprobs_requests(

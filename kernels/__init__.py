@@ -18,6 +18,12 @@ from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
 from kernels.fp8_quant import Fp8Activations
 from kernels.int4_linear import int4_linear, int4_linear_ref
 from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from kernels.linear import (
+    linear,
+    linear_ref,
+    linear_silu_and_mul,
+    linear_silu_and_mul_ref,
+)
 from kernels.lora import (
     add_lora,
     add_lora_ref,
@@ -25,12 +31,6 @@ from kernels.lora import (
     lora_expand_ref,
     lora_shrink,
     lora_shrink_ref,
-)
-from kernels.linear import (
-    linear,
-    linear_ref,
-    linear_silu_and_mul,
-    linear_silu_and_mul_ref,
 )
 from kernels.rms_norm import (
     fused_add_rms_norm,
