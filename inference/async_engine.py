@@ -61,6 +61,7 @@ from inference.engine_messages import (
     StepOutputs,
     StepTimings,
 )
+from inference.lora.request import LoRARequest
 from inference.model_files import load_tokenizer
 from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
@@ -389,6 +390,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         *,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one output per engine step that produced something for the request; the
         last one has ``finished`` set. With ``delta`` each output holds only the new token
@@ -403,7 +405,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_submitted_adds += 1
         arrival = arrival_time if arrival_time is not None else time.time()
-        self._submit(AddRequest(request_id, prompt, params, arrival))
+        self._submit(AddRequest(request_id, prompt, params, arrival, lora_request))
         accumulator = None
         if not delta:
             prompt_ids = list(prompt) if not isinstance(prompt, str) else []

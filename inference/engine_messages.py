@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from inference.config import ResolvedEngineConfig
+from inference.lora.request import LoRARequest
 from inference.outputs import Logprob, SampleLogprobs
 from inference.sampling_params import SamplingParams
 
@@ -126,6 +127,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
