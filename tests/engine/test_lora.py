@@ -107,3 +107,35 @@ def test_prefix_cache_is_keyed_by_adapter(setup):
     assert cached["base"] == cached["a"] == cached["b"] == 0
     assert cached["a-again"] == cached["base-again"] == 32
     engine.shutdown()
+
+
+# Tensor parallelism over 2 CPU ranks (gloo): KV heads split (llama, 2 KV heads) and one KV
+# head replicated on both ranks (qwen3): B sharded by the base rows, A of o/down by columns.
+TP_MODELS = {
+    "llama-2kv": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3-1kv": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TP_MODELS))
+def test_tensor_parallel_offline_api_matches_merged_models(name, tmp_path):
+    from inference import LLM
+
+    arch, shape = TP_MODELS[name]
+    hf = build_tiny_model(tmp_path / "base", arch, qk_scale=2.0, seed=6,
+                          max_position_embeddings=MAX_MODEL_LEN, **shape)  # fmt: skip
+    loras, references = [None], [Reference(hf)]
+    for i, args in enumerate([ADAPTERS["all-r8"], ADAPTERS["attn-r4-rslora"]]):
+        adapter = build_adapter(tmp_path / f"a{i}", hf, **args)
+        loras.append(LoRARequest(f"a{i}", i + 1, str(tmp_path / f"a{i}")))
+        references.append(Reference(merged_model(hf, adapter)))
+    prompts = [[(13 * i + 7 * j) % 290 + 3 for j in range(9 + 4 * i)] for i in range(6)]
+    lora_list = [loras[i % 3] for i in range(6)]
+    with LLM(str(tmp_path / "base"), tensor_parallel_size=2, device="cpu",
+             max_model_len=MAX_MODEL_LEN, enable_lora=True, max_loras=2) as llm:  # fmt: skip
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora_list)
+    for i, (output, prompt) in enumerate(zip(outputs, prompts)):
+        assert _max_diff(output, prompt, references[i % 3]) < 2e-4, (name, i)
+        if i % 3:
+            assert _max_diff(output, prompt, references[0]) > 1e-2, (name, i)
