@@ -195,6 +195,8 @@ class LLMEngine:
         request = self.output_processor.new_request(
             request_id, prompt_text, prompt_ids, params, seqs, arrival_time
         )
+        if lora_request is not None:
+            self.runner.prefetch_lora(lora_request)
         self.requests[request_id] = request
         if grammar is not None:
             self._awaiting_grammar.append((request, grammar))

@@ -63,6 +63,10 @@ class ModelExecutor(Protocol):
         token for each sequence at ``sample_rows``; returns without waiting for it."""
         ...
 
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """A request with this adapter arrived: its tensors may be read ahead of the step."""
+        ...
+
     def forget_lora(self, request: LoRARequest) -> None:
         """An adapter was unloaded: it leaves its device slot (and the CPU cache)."""
         ...

@@ -176,6 +176,10 @@ class MultiprocExecutor:
         self._num_launched += 1
         return _StepHandle(self, index)
 
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """Nothing ahead of time here: each worker reads an adapter's shard when a step
+        first loads it into a slot."""
+
     def forget_lora(self, request: LoRARequest) -> None:
         """An adapter was unloaded: its slot is free (workers overwrite it when reused)."""
         if self._lora_table is not None:

@@ -17,6 +17,7 @@ graph captured over these tensors replays with each step's adapters.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -82,6 +83,9 @@ class DeviceLoRAs:
         self._staged = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
         self._num_staged = 0
         self.cpu_cache: OrderedDict[LoRARequest, PeftAdapter] = OrderedDict()
+        # Adapters being read from their folders off the step loop (``prefetch``).
+        self._reading: dict[LoRARequest, Future] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         for index, layer in enumerate(model.layers):
             layer.lora = LayerLoRA(self, index)
 
@@ -91,11 +95,21 @@ class DeviceLoRAs:
                    for pair in layer.values() for t in pair)  # fmt: skip
 
     # -- adapters into slots -------------------------------------------------------------
+    def prefetch(self, request: LoRARequest) -> None:
+        """Start reading an adapter's tensors in a thread of their own (a request with it
+        has arrived), so that the step that first needs them does not read the folder."""
+        if request not in self.cpu_cache and request not in self._reading:
+            self._reading[request] = self._reader.submit(
+                load_adapter, request.lora_path, self.cfg, self.max_rank)
+
     def cpu_adapter(self, request: LoRARequest) -> PeftAdapter:
-        """The adapter's tensors, from the CPU cache (``max_cpu_loras``, LRU) or its folder."""
+        """The adapter's tensors, from the CPU cache (``max_cpu_loras``, LRU), the read
+        under way, or its folder."""
         adapter = self.cpu_cache.get(request)
         if adapter is None:
-            adapter = load_adapter(request.lora_path, self.cfg, self.max_rank)
+            reading = self._reading.pop(request, None)
+            adapter = reading.result() if reading is not None else load_adapter(
+                request.lora_path, self.cfg, self.max_rank)  # fmt: skip
             self.cpu_cache[request] = adapter
             while len(self.cpu_cache) > self.max_cpu_loras:
                 self.cpu_cache.popitem(last=False)
@@ -128,8 +142,14 @@ class DeviceLoRAs:
                     a_slot[i * big_r : i * big_r + r].copy_(a)
                     out_rows[:, i * big_r : i * big_r + r].copy_(b)
 
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reading.clear()
+        self.cpu_cache.clear()
+
     def forget(self, request: LoRARequest) -> None:
         self.cpu_cache.pop(request, None)
+        self._reading.pop(request, None)
 
     # -- a step ---------------------------------------------------------------------------
     def stage(self, token_slots: np.ndarray | None, loads: list[tuple[int, LoRARequest]]) -> None:

@@ -181,6 +181,9 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.model = None
+        if self.loras is not None:
+            self.loras.close()
+            self.loras = None
 
     @property
     def dead_reason(self) -> str | None:
@@ -271,6 +274,11 @@ class ModelRunner:
         and collect the sampled tokens with ``result()``."""
         inputs = build_step_inputs(seqs, num_new_tokens, self.block_size, self.lora_table)
         return self.launch_inputs(inputs, sample_rows, sampling)
+
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """A request with this adapter arrived: read its tensors off the step loop."""
+        if self.loras is not None:
+            self.loras.prefetch(request)
 
     def forget_lora(self, request: LoRARequest) -> None:
         """An adapter was unloaded: drop it from the slots and the CPU cache."""
