@@ -101,7 +101,7 @@ class Scheduler:
         # A step that had to preempt admits nobody: the freed blocks go to the survivors.
         # LoRA: a sequence whose adapter would exceed max_loras waits, and the ones behind
         # it may go first (as in vLLM); it keeps its place in the queue.
-        adapters = self._running_adapters() if self.max_loras else None
+        adapters = self._running_adapters() if self.max_loras and self.waiting else None
         skipped: list[Sequence] = []
         while (
             self.waiting
