@@ -8,6 +8,7 @@ ground truth the engine's batched LoRA must reproduce."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -56,6 +57,28 @@ def build_adapter(
 def merged_model(hf_model, adapter: dict):
     """A copy of ``hf_model`` with the adapter merged: W + scale * B @ A."""
     merged = copy.deepcopy(hf_model)
+    _merge(merged, adapter)
+    return merged
+
+
+@contextlib.contextmanager
+def merged_into(hf_model, adapter: dict):
+    """``hf_model`` itself with the adapter merged, for the block; its weights are put back
+    after (no copy of a model too large to copy cheaply)."""
+    saved = {name: p.detach().clone() for name, p in hf_model.named_parameters()
+             if name.endswith("proj.weight")}  # fmt: skip
+    _merge(hf_model, adapter)
+    try:
+        yield hf_model
+    finally:
+        with torch.no_grad():
+            for name, p in hf_model.named_parameters():
+                if name in saved:
+                    p.copy_(saved[name])
+
+
+@torch.no_grad()
+def _merge(merged, adapter: dict) -> None:
     for key, a in adapter["tensors"].items():
         if ".lora_A." not in key:
             continue
@@ -64,4 +87,3 @@ def merged_model(hf_model, adapter: dict):
         layer, module = int(parts[4]), parts[6]
         weight = _projection(merged, layer, module).weight
         weight += (adapter["scale"] * (b.double() @ a.double())).to(weight.dtype)
-    return merged

