@@ -56,6 +56,7 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    RemoveLoRA,
     Resolved,
     Shutdown,
     StepOutputs,
@@ -442,6 +443,11 @@ class AsyncLLMEngine:
             if not finished and stream.error is None and not stream.abort_sent:
                 stream.abort_sent = True
                 self._submit(AbortRequests([request_id]))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An adapter was unloaded: the engine frees its slot (requests running with it
+        finish with it)."""
+        self._submit(RemoveLoRA(lora_int_id))
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
         """Abort a request from the event loop; its generator raises RequestAbortedError

@@ -48,6 +48,7 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    RemoveLoRA,
     RequestDelta,
     Resolved,
     Shutdown,
@@ -348,6 +349,10 @@ class EngineCore:
             # The engine hands each aborted request back as finished ("abort") with the
             # next step: its latencies are counted then, like every other request's.
             engine.abort_request(command.request_ids)
+        elif isinstance(command, RemoveLoRA):
+            remove = getattr(engine, "remove_lora", None)
+            if remove is not None:
+                remove(command.lora_int_id)
         elif isinstance(command, Shutdown):
             raise _Shutdown()
         else:

@@ -136,11 +136,18 @@ class AbortRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    """An adapter was unloaded (``/v1/unload_lora_adapter``): it leaves its device slot."""
+
+    lora_int_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-Command: TypeAlias = AddRequest | AbortRequests | Shutdown
+Command: TypeAlias = AddRequest | AbortRequests | RemoveLoRA | Shutdown
 
 
 # ----- engine -> server ------------------------------------------------------------------

@@ -255,7 +255,7 @@ def build_app(
         return {"object": "list", "data": cards}
 
     if runtime_updates_allowed():
-        _add_lora_routes(v1, adapters)
+        _add_lora_routes(v1, engine, adapters)
 
     @v1.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -273,7 +273,7 @@ def build_app(
     return app
 
 
-def _add_lora_routes(router: APIRouter, adapters: ServedAdapters) -> None:
+def _add_lora_routes(router: APIRouter, engine: AsyncLLMEngine, adapters: ServedAdapters) -> None:
     """vLLM's runtime adapter routes (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
 
     @router.post("/load_lora_adapter")
@@ -287,10 +287,11 @@ def _add_lora_routes(router: APIRouter, adapters: ServedAdapters) -> None:
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         try:
-            adapters.remove(body.lora_name)
+            removed = adapters.remove(body.lora_name)
         except KeyError:
             raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found.",
                            param="lora_name", code="model_not_found") from None
+        engine.remove_lora(removed.lora_int_id)
         return PlainTextResponse(
             f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -173,3 +173,28 @@ def test_smollm2_with_adapters_matches_merged_models(tmp_path):
                 assert _max_diff(output, prompt, Reference(merged)) < 1e-3, i
         else:
             assert _max_diff(output, prompt, Reference(hf)) < 1e-3
+
+
+def test_removed_adapter_leaves_its_slot_and_its_id(setup):
+    model, loras, references = setup
+    engine = _engine(model, max_loras=1)
+    a, b = loras["all-r8"], loras["mlp-r16"]
+    _run(engine, [("a", [5, 6, 7, 8], a)])
+    assert a in engine.runner.lora_table.slot_of
+    reused = LoRARequest(b.lora_name, a.lora_int_id, b.lora_path)  # a's id, b's folder
+    with pytest.raises(ValueError, match="already names adapter"):
+        engine.add_request("clash", [5, 6], GREEDY, lora_request=reused)
+    assert engine.remove_lora(a.lora_int_id) and not engine.remove_lora(a.lora_int_id)
+    assert a not in engine.runner.lora_table.slot_of and a not in engine.runner.loras.cpu_cache
+    prompt = [9, 10, 11, 12, 13]
+    outputs = _run(engine, [("b", prompt, reused)])
+    assert _max_diff(outputs["b"], prompt, references["mlp-r16"]) < 2e-4
+    engine.shutdown()
+
+
+def test_lora_request_without_enable_lora_is_refused(setup):
+    model, loras, _ = setup
+    engine = _engine(model, enable_lora=False)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        engine.add_request("x", [5, 6], GREEDY, lora_request=loras["all-r8"])
+    engine.shutdown()
