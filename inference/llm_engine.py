@@ -33,7 +33,7 @@ from inference.engine_messages import EngineStats
 from inference.engine_setup import build_engine, ensure_writable_kernel_cache, resolve_engine_config
 from inference.executor.interface import ModelExecutor, PendingStep
 from inference.generation_defaults import generation_defaults
-from inference.lora.registry import LoRARegistry, adapter_names
+from inference.lora.registry import LoRARegistry, lora_stats
 from inference.lora.request import LoRARequest
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
@@ -449,10 +449,12 @@ class LLMEngine:
         self.loras.check(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter: it leaves its device slot and the CPU cache (requests running
-        with it finish with it). False if no adapter has that id."""
+        """Forget an adapter: new requests may not name it, and it leaves its device slot
+        and the CPU cache unless requests still run with it (they finish with it; its slot
+        then goes least recently used). False if no adapter has that id."""
         request = self.loras.remove(lora_int_id)
-        if request is not None:
+        live = (*self.scheduler.running, *self.scheduler.waiting)
+        if request is not None and all(s.lora_request != request for s in live):
             self.runner.forget_lora(request)
         return request is not None
 
@@ -509,17 +511,8 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
             spec_decode_num_accepted_tokens_per_pos_total=(
                 tuple(spec.accepted_per_position) if spec else ()),
-            **self._lora_stats(),
+            **lora_stats(self.scheduler, self.config.max_loras if self.config.enable_lora else 0),
         )
-
-    def _lora_stats(self) -> dict:
-        if not self.config.enable_lora:
-            return {}
-        return {
-            "running_lora_adapters": adapter_names(self.scheduler.running),
-            "waiting_lora_adapters": adapter_names(self.scheduler.waiting),
-            "max_lora": self.config.max_loras,
-        }
 
 
 def _prompt_logprobs_requests(

@@ -45,3 +45,12 @@ def adapter_names(seqs: Iterable) -> tuple[str, ...]:
     """The distinct adapters of these sequences, by name, in first-seen order."""
     names = (s.lora_request.lora_name for s in seqs if s.lora_request is not None)
     return tuple(dict.fromkeys(names))
+
+
+def lora_stats(scheduler, max_loras: int) -> dict:
+    """``EngineStats``' LoRA fields (none while LoRA is off: ``max_loras`` 0)."""
+    if not max_loras:
+        return {}
+    return {"running_lora_adapters": adapter_names(scheduler.running),
+            "waiting_lora_adapters": adapter_names(scheduler.waiting),
+            "max_lora": max_loras}  # fmt: skip

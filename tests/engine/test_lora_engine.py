@@ -192,6 +192,22 @@ def test_removed_adapter_leaves_its_slot_and_its_id(setup):
     engine.shutdown()
 
 
+def test_an_adapter_removed_while_in_use_serves_its_requests_to_the_end(setup):
+    model, loras, references = setup
+    engine = _engine(model)
+    a = loras["attn-r4-rslora"]
+    prompt = [7, 8, 9, 10, 11, 12]
+    engine.add_request("a", prompt, GREEDY, lora_request=a)
+    engine.step()
+    assert engine.remove_lora(a.lora_int_id)
+    assert a in engine.runner.lora_table.slot_of  # still running: kept
+    outputs = _run(engine, [])
+    assert _max_diff(outputs["a"], prompt, references["attn-r4-rslora"]) < 2e-4
+    with pytest.raises(ValueError):
+        engine.add_request("b", prompt, GREEDY, lora_request=LoRARequest("x", 1, "/nowhere"))
+    engine.shutdown()
+
+
 def test_lora_request_without_enable_lora_is_refused(setup):
     model, loras, _ = setup
     engine = _engine(model, enable_lora=False)
