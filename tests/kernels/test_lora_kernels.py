@@ -69,3 +69,48 @@ def test_expand_needs_contiguous_rows():
     x, a, b, y, slots = _case(4, 32, 32, 8, 2, torch.float32, "decode")
     with pytest.raises(ValueError, match="contiguous"):
         lora_expand(lora_shrink(x, a, slots), b, slots, y.T.contiguous().T)
+
+
+COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton.language.target_info as target_info
+from kernels._triton import lora
+
+target = GPUTarget("cuda", 90, 32)
+def current_target(target=target):
+    return target
+current_target.__triton_builtin__ = True
+target_info.current_target = current_target
+ints = {name: "i32" for name in ("num_rows", "rank", "hidden", "chunk", "width", "stride_x",
+        "stride_al", "stride_ak", "stride_o", "stride_s", "stride_bl", "stride_bn", "stride_y")}
+cases = [
+    (lora._shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "slot_ptr": "*i32",
+     "out_ptr": "*fp32"}, {"BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_H": 64, "PRECISION": "tf32",
+     "SPLIT": True}),
+    (lora._shrink_kernel, {"x_ptr": "*fp32", "a_ptr": "*fp32", "slot_ptr": "*i32",
+     "out_ptr": "*fp32"}, {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_H": 64, "PRECISION": "ieee",
+     "SPLIT": False}),
+    (lora._expand_kernel, {"s_ptr": "*fp32", "b_ptr": "*bf16", "slot_ptr": "*i32",
+     "y_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "tf32"}),
+]
+for kernel, pointers, constants in cases:
+    names = kernel.arg_names
+    signature = {n: pointers.get(n) or ints.get(n) or "constexpr" for n in names}
+    consts = {(names.index(k),): v for k, v in constants.items()}
+    src = ASTSource(kernel, signature, constexprs=consts)
+    ptx = triton.compile(src, target=target, options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+    print(kernel.__name__, "griddepcontrol.wait" in ptx, "mma" in ptx)
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """The compiled path (not the interpreter) for an H200: early exit, split-K atomics and
+    the dot all lower, bf16 on tensor cores (float32 in IEEE precision: FMA)."""
+    from hopper_compile import run_compile_script
+
+    done = run_compile_script(COMPILE_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == [
+        "_shrink_kernel True True", "_shrink_kernel True False", "_expand_kernel True True"]
