@@ -1,5 +1,6 @@
 """pagoda's inference engine: paged KV cache, continuous batching, OpenAI-compatible API."""
 
+from inference.lora.request import LoRARequest
 from inference.outputs import CompletionOutput, Logprob, RequestOutput
 from inference.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -14,6 +15,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "RequestOutputKind",
+    "LLM", "CompletionOutput", "Logprob", "LoRARequest", "RequestOutput", "RequestOutputKind",
     "SamplingParams", "StructuredOutputsParams",
 ]

@@ -56,11 +56,13 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    RemoveLoRA,
     Resolved,
     Shutdown,
     StepOutputs,
     StepTimings,
 )
+from inference.lora.request import LoRARequest
 from inference.model_files import load_tokenizer
 from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
@@ -389,6 +391,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         *,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one output per engine step that produced something for the request; the
         last one has ``finished`` set. With ``delta`` each output holds only the new token
@@ -403,7 +406,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_submitted_adds += 1
         arrival = arrival_time if arrival_time is not None else time.time()
-        self._submit(AddRequest(request_id, prompt, params, arrival))
+        self._submit(AddRequest(request_id, prompt, params, arrival, lora_request))
         accumulator = None
         if not delta:
             prompt_ids = list(prompt) if not isinstance(prompt, str) else []
@@ -440,6 +443,11 @@ class AsyncLLMEngine:
             if not finished and stream.error is None and not stream.abort_sent:
                 stream.abort_sent = True
                 self._submit(AbortRequests([request_id]))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An adapter was unloaded: the engine frees its slot (requests running with it
+        finish with it)."""
+        self._submit(RemoveLoRA(lora_int_id))
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
         """Abort a request from the event loop; its generator raises RequestAbortedError

@@ -44,7 +44,7 @@ class Block:
 
 def prefix_cache_root(**identity: object) -> bytes:
     """The digest every sequence's chain starts from. ``identity`` names what, besides the
-    tokens, decides a block's KV (model, dtype, KV-cache dtype; adapters when they come):
+    tokens, decides a block's KV (model, dtype, KV-cache dtype; a LoRA adapter chains from a root of its own):
     engines that differ in any of it never share a key."""
     canonical = json.dumps(identity, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(_HASH_SCHEME + b"\0" + canonical.encode()).digest()
@@ -110,11 +110,19 @@ class BlockManager:
         if start >= end:
             return
         data = token_bytes(seq.token_ids[start * size : end * size])
-        parent = hashes[-1] if hashes else self.root_hash
+        parent = hashes[-1] if hashes else self._chain_root(seq)
         step = size * 8
         for offset in range(0, len(data), step):
             parent = hash_block(parent, data[offset : offset + step])
             hashes.append(parent)
+
+    def _chain_root(self, seq: Sequence) -> bytes:
+        """Where a sequence's chain starts: the engine's root, or for a LoRA adapter's
+        sequence a root of that adapter's own (its KV differs from the base model's)."""
+        lora = seq.lora_request
+        if lora is None:
+            return self.root_hash
+        return hash_block(self.root_hash, b"", lora.cache_key())
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq`` (empty if none). A request

@@ -134,6 +134,18 @@ class EngineConfig:
             "\"num_speculative_tokens\": 4}' (a draft model sharing the target's tokenizer); "
             "optional disable_by_batch_size, default 32: no drafts in steps with more "
             "running sequences"))
+    # Multi-LoRA (vLLM's flags): adapters are named per request (LoRARequest, the HTTP
+    # API's "model", --lora-modules); their tensors sit in max_loras device slots.
+    enable_lora: bool = field(
+        default=False, metadata=_flag("serve LoRA adapters of the model (PEFT folders)"))
+    max_loras: int = field(
+        default=1, metadata=_flag("most distinct LoRA adapters in one step (device slots)"))
+    max_lora_rank: int = field(
+        default=16, metadata=_flag("highest LoRA rank an adapter may have (slots are "
+                                   "allocated at this rank)"))
+    max_cpu_loras: int | None = field(
+        default=None, metadata=_flag("LoRA adapters kept loaded in CPU memory, least recently "
+                                     "used out first (default: --max-loras)"))
     max_logprobs: int = field(
         default=20, metadata=_flag("most logprobs (and top_logprobs) a request may ask for; "
                                    "-1: no limit"))
@@ -297,6 +309,7 @@ class EngineConfig:
                 "pagoda always prefills long prompts in chunks of max_num_batched_tokens; to "
                 "prefill every prompt in one step, set --max-num-batched-tokens to "
                 "--max-model-len")
+        self._validate_lora()
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.override_generation_dict()  # malformed JSON fails here, not at the first request
@@ -304,6 +317,21 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config with tensor_parallel_size > 1 is not supported yet: "
                 "speculative decoding runs on one GPU (or CPU)")
+
+
+    def _validate_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be from 1 to 512, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Adapters the CPU cache holds (``max_cpu_loras``, default ``max_loras``)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,12 +48,14 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    RemoveLoRA,
     RequestDelta,
     Resolved,
     Shutdown,
     StepOutputs,
     StepTimings,
 )
+from inference.lora.request import LoRARequest
 from inference.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -93,6 +95,7 @@ class CoreEngine(Protocol):
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
     def abort_request(self, request_id: str | list[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -331,9 +334,12 @@ class EngineCore:
             # the params are this process's own copy, unpickled from the command.
             params = command.params
             params.output_kind = RequestOutputKind.DELTA
+            # Named only when given: engines (and tests' wrappers) without LoRA need not
+            # take it.
+            lora = {"lora_request": command.lora_request} if command.lora_request else {}
             try:
                 engine.add_request(
-                    request_id, command.prompt, params, arrival_time=command.arrival_time
+                    request_id, command.prompt, params, arrival_time=command.arrival_time, **lora
                 )
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                 self._send([AddRejected(request_id, type(exc).__name__, str(exc))])
@@ -343,6 +349,10 @@ class EngineCore:
             # The engine hands each aborted request back as finished ("abort") with the
             # next step: its latencies are counted then, like every other request's.
             engine.abort_request(command.request_ids)
+        elif isinstance(command, RemoveLoRA):
+            remove = getattr(engine, "remove_lora", None)
+            if remove is not None:
+                remove(command.lora_int_id)
         elif isinstance(command, Shutdown):
             raise _Shutdown()
         else:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from inference.config import ResolvedEngineConfig
+from inference.lora.request import LoRARequest
 from inference.outputs import Logprob, SampleLogprobs
 from inference.sampling_params import SamplingParams
 
@@ -62,6 +63,11 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_num_accepted_tokens_per_pos_total: tuple[int, ...] = ()
+    # LoRA (vllm:lora_requests_info): adapters of the running and the waiting sequences,
+    # and the slots (0: LoRA is off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass
@@ -121,6 +127,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +136,18 @@ class AbortRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    """An adapter was unloaded (``/v1/unload_lora_adapter``): it leaves its device slot."""
+
+    lora_int_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-Command: TypeAlias = AddRequest | AbortRequests | Shutdown
+Command: TypeAlias = AddRequest | AbortRequests | RemoveLoRA | Shutdown
 
 
 # ----- engine -> server ------------------------------------------------------------------

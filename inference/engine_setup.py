@@ -100,7 +100,8 @@ def build_engine(
         num_total_blocks=num_blocks,
         startup_phases=startup_phases,
         block_manager=block_manager,
-        scheduler=Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens),
+        scheduler=Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_loras if config.enable_lora else 0),
         output_processor=OutputProcessor(tokenizer, eos, config.max_model_len),
         # Structured outputs: matchers are built off the step loop.
         grammars=GrammarCompiler(tokenizer, model_config.vocab_size, sorted(eos)),

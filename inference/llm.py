@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from inference.chat_templates import default_chat_template
 from inference.config import EngineConfig
 from inference.llm_engine import LLMEngine
+from inference.lora.request import LoRARequest
 from inference.outputs import RequestOutput
 from inference.sampling_params import RequestOutputKind, SamplingParams
 
@@ -80,9 +81,12 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A prompt is a string or a list of token
-        ids; one SamplingParams applies to all, or give one per prompt."""
+        ids; one SamplingParams applies to all, or give one per prompt. ``lora_request``:
+        the LoRA adapter every prompt runs with, or one per prompt (None: the base model;
+        the engine needs ``enable_lora=True``)."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -94,7 +98,14 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
-        request_ids = self._add_all(prompt_list, params_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
+        request_ids = self._add_all(prompt_list, params_list, lora_list)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -134,10 +145,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[PromptType], params: list[SamplingParams],
+        loras: list[LoRARequest | None] | None = None,
+    ) -> list[str]:
         request_ids: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = f"offline-{self._request_counter}"
                 self._request_counter += 1
                 try:
@@ -145,7 +160,7 @@ class LLM:
                     # as they are.
                     p = (p or SamplingParams()).clone()
                     p.output_kind = RequestOutputKind.FINAL_ONLY
-                    self._engine.add_request(request_id, prompt, p)
+                    self._engine.add_request(request_id, prompt, p, lora_request=lora)
                 except ValueError as err:
                     raise ValueError(f"prompt {len(request_ids)}: {err}") from None
                 request_ids.append(request_id)

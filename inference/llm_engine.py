@@ -33,6 +33,8 @@ from inference.engine_messages import EngineStats
 from inference.engine_setup import build_engine, ensure_writable_kernel_cache, resolve_engine_config
 from inference.executor.interface import ModelExecutor, PendingStep
 from inference.generation_defaults import generation_defaults
+from inference.lora.registry import LoRARegistry, lora_stats
+from inference.lora.request import LoRARequest
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
 from inference.sampler import (
@@ -129,6 +131,8 @@ class LLMEngine:
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
         # prompt-logprob work only while there are any.
         self._unscored: set[Sequence] = set()
+        # LoRA adapters requests may name, each checked once (inference.lora).
+        self.loras = LoRARegistry(config.enable_lora, self.model_config, config.max_lora_rank)
 
     # -- intake ------------------------------------------------------------------------
     def add_request(
@@ -137,10 +141,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError, changing nothing, on bad input."""
+        """Validate and queue a request (``lora_request``: the LoRA adapter it runs with).
+        Raises ValueError, changing nothing, on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.loras.check(lora_request)
         params = (params or SamplingParams()).clone()
         params.validate()
         check_max_logprobs(params, self.config.max_logprobs)
@@ -182,13 +189,16 @@ class LLMEngine:
                 generator = torch.Generator(device="cpu" if on_host else self.device)
                 generator.manual_seed(params.seed + index)
             seq = Sequence(
-                self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator
+                self._next_seq_id, request_id, index, prompt_ids, params, arrival_time, generator,
+                lora_request,
             )
             self._next_seq_id += 1
             seqs.append(seq)
         request = self.output_processor.new_request(
             request_id, prompt_text, prompt_ids, params, seqs, arrival_time
         )
+        if lora_request is not None:
+            self.runner.prefetch_lora(lora_request)
         self.requests[request_id] = request
         if grammar is not None:
             self._awaiting_grammar.append((request, grammar))
@@ -437,6 +447,21 @@ class LLMEngine:
             draft_token_ids=drafts,
         )
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check an adapter so that requests may name it (vLLM's ``add_lora``); its tensors
+        load when a step first needs them. ValueError for one that cannot be served."""
+        self.loras.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: new requests may not name it, and it leaves its device slot
+        and the CPU cache unless requests still run with it (they finish with it; its slot
+        then goes least recently used). False if no adapter has that id."""
+        request = self.loras.remove(lora_int_id)
+        live = (*self.scheduler.running, *self.scheduler.waiting)
+        if request is not None and all(s.lora_request != request for s in live):
+            self.runner.forget_lora(request)
+        return request is not None
+
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
         """Raise RuntimeError (with the reason) if the engine can no longer run steps: a
@@ -493,6 +518,7 @@ class LLMEngine:
             spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
             spec_decode_num_accepted_tokens_per_pos_total=(
                 tuple(spec.accepted_per_position) if spec else ()),
+            **lora_stats(self.scheduler, self.config.max_loras if self.config.enable_lora else 0),
         )
 
 

@@ -56,10 +56,14 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: most distinct LoRA adapters among the running sequences (0: the
+        engine serves none)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -95,6 +99,10 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt admits nobody: the freed blocks go to the survivors.
+        # LoRA: a sequence whose adapter would exceed max_loras waits, and the ones behind
+        # it may go first (as in vLLM); it keeps its place in the queue.
+        adapters = self._running_adapters() if self.max_loras and self.waiting else None
+        skipped: list[Sequence] = []
         while (
             self.waiting
             and budget > 0
@@ -102,6 +110,12 @@ class Scheduler:
             and not batch.preempted
         ):
             seq = self.waiting[0]
+            lora = seq.lora_request
+            if adapters is not None and lora is not None and lora not in adapters:
+                if len(adapters) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                adapters.add(lora)
             cached = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached_tokens, budget)
@@ -113,12 +127,16 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         batch.sample_rows = [
             row for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
             if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)
         ]  # fmt: skip
         return batch
+
+    def _running_adapters(self) -> set:
+        return {s.lora_request for s in self.running if s.lora_request is not None}
 
     def on_step_launched(self, batch: ScheduledBatch, now: float) -> list[int]:
         """The batch is on the device: its tokens count as computed (full blocks join the

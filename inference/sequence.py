@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from inference.lora.request import LoRARequest
 from inference.outputs import Logprob
 from inference.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = field(init=False, default=SequenceStatus.WAITING)

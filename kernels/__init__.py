@@ -24,6 +24,14 @@ from kernels.linear import (
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
 )
+from kernels.lora import (
+    add_lora,
+    add_lora_ref,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_fp8,
@@ -54,10 +62,16 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "int4_linear",
     "int4_linear_ref",
+    "add_lora",
+    "add_lora_ref",
     "linear",
     "linear_ref",
     "linear_silu_and_mul",
     "linear_silu_and_mul_ref",
+    "lora_expand",
+    "lora_expand_ref",
+    "lora_shrink",
+    "lora_shrink_ref",
     "paged_attention",
     "paged_attention_ref",
     "rms_norm",

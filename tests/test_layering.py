@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
     ("inference.spec_decode.draft_model",),  # a draft model beside the target's runner
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
+    ("inference.lora",),  # LoRA adapters: files, device slots, the engine's registry
     ("inference.models",),  # model families, weight loading
     ("inference.quantization",),  # FP8 and int4 weights: their layouts, filled from a checkpoint
     ("inference.layers",),  # attention metadata, embedding, rotary
@@ -54,7 +55,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "inference.models.config", "inference.model_files", "inference.model_shapes",
         "inference.download",
     ),
-    ("inference.sampling_params", "inference.outputs"),  # what a request asks and gets
+    # what a request asks and gets
+    ("inference.sampling_params", "inference.outputs", "inference.lora.request"),
     ("inference.parallel_state",),  # process groups and collectives
     ("kernels",),  # Triton kernels and their torch references
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from inference.lora.request import LoRARequest
 from inference.sampler import SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
 
@@ -60,6 +61,14 @@ class ModelExecutor(Protocol):
     ) -> PendingStep:
         """Queue one step: compute ``num_new_tokens[i]`` tokens of ``seqs[i]`` and sample a
         token for each sequence at ``sample_rows``; returns without waiting for it."""
+        ...
+
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """A request with this adapter arrived: its tensors may be read ahead of the step."""
+        ...
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        """An adapter was unloaded: it leaves its device slot (and the CPU cache)."""
         ...
 
     def close(self) -> None:

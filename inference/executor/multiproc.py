@@ -43,6 +43,8 @@ from inference.executor.messages import (
 )
 from inference.executor.worker import WorkerArgs, worker_main
 from inference.layers.kv_cache import kv_block_bytes
+from inference.lora.request import LoRARequest
+from inference.lora.slots import LoRASlotTable
 from inference.models.config import ModelConfig
 from inference.parallel_state import free_local_port, kv_head_range
 from inference.runner.step_inputs import build_step_inputs
@@ -112,6 +114,8 @@ class MultiprocExecutor:
         self._step_results: dict[int, SamplerOutput | None] = {}
         # Sequences whose sampling state the workers hold, by id, until they finish.
         self._known: dict[int, Sequence] = {}
+        # LoRA: slots are decided here, once, and every worker applies the same loads.
+        self._lora_table = LoRASlotTable(config.max_loras) if config.enable_lora else None
         # Each worker says it is ready once its shard is loaded.
         ready: list[WorkerReady] = self._call_all(None)
         self.load_seconds = max(r.load_seconds for r in ready)
@@ -147,7 +151,7 @@ class MultiprocExecutor:
     ) -> _StepHandle:
         """Send the step to every worker and return; ``result()`` waits for rank 0."""
         self._check_alive()
-        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
+        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size, self._lora_table)
         # Workers keep each sampled sequence's SamplingParams (sent once: pickling them
         # every step would cost milliseconds at large batches) and, for seeded requests,
         # their own generator (torch.Generator objects do not pickle), until it finishes.
@@ -171,6 +175,15 @@ class MultiprocExecutor:
         index = self._num_launched
         self._num_launched += 1
         return _StepHandle(self, index)
+
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """Nothing ahead of time here: each worker reads an adapter's shard when a step
+        first loads it into a slot."""
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        """An adapter was unloaded: its slot is free (workers overwrite it when reused)."""
+        if self._lora_table is not None:
+            self._lora_table.forget(request)
 
     def _step_result(self, index: int) -> SamplerOutput | None:
         if self._num_received <= index and self._num_launched == index + 1:

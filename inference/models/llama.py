@@ -115,6 +115,9 @@ class DecoderLayer(nn.Module):
         # the checkpoint has them (inference/layers/kv_cache.py).
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        # LoRA adapters (``inference.lora.device.LayerLoRA``), when the engine serves them:
+        # each projection's output gets its rows' adapter updates.
+        self.lora = None
 
     def forward(
         self,
@@ -137,7 +140,10 @@ class DecoderLayer(nn.Module):
         hidden = self._attention(positions, normed, kv_cache, cos_sin_cache, meta)
         add_norm = kernels.fused_add_rms_norm_fp8 if fp8_gate_up else kernels.fused_add_rms_norm
         normed, residual = add_norm(hidden, residual, self.post_attention_norm, self.eps)
-        if self.gate_up_proj_scale is not None:
+        if self.lora is not None:  # the update joins gate/up before the activation
+            gate_up = _linear(normed, self.gate_up_proj, scale=self.gate_up_proj_scale)
+            gated = kernels.silu_and_mul(self.lora.add("gate_up_proj", normed, gate_up))
+        elif self.gate_up_proj_scale is not None:
             gate_up = kernels.fp8_linear(normed, self.gate_up_proj, self.gate_up_proj_scale)
             gated = (kernels.silu_and_mul_fp8 if fp8_down else kernels.silu_and_mul)(gate_up)
         elif isinstance(self.gate_up_proj, int4.Int4Weights):
@@ -149,6 +155,8 @@ class DecoderLayer(nn.Module):
         # Row-parallel: written straight into the all-reduce's staging buffer where it has one.
         staging = self.parallel.all_reduce_input(num_tokens, self.down_proj.shape[0], dtype)
         hidden = _linear(gated, self.down_proj, out=staging, scale=self.down_proj_scale)
+        if self.lora is not None:
+            hidden = self.lora.add("down_proj", gated, hidden)
         return self.parallel.all_reduce(hidden), residual
 
     def _fp8_inputs(self, num_tokens: int, dtype: torch.dtype) -> tuple[bool, bool, bool]:
@@ -157,7 +165,8 @@ class DecoderLayer(nn.Module):
         where the projection would otherwise quantize in a launch of its own): decided by
         the step's shape, so a CUDA graph replays what it captured. Never in full precision,
         nor where the projection quantizes inside its own kernel (batch 1, fma kind)."""
-        if self.qkv_proj_scale is None:
+        # LoRA reads each projection's input in the model's dtype.
+        if self.qkv_proj_scale is None or self.lora is not None:
             return False, False, False
         return (
             kernels.wants_fp8_input(num_tokens, self.qkv_proj, dtype, self.qkv_bias),
@@ -180,6 +189,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = positions.shape[0]
         qkv = _linear(hidden, self.qkv_proj, self.qkv_bias, scale=self.qkv_proj_scale)
+        if self.lora is not None:
+            qkv = self.lora.add("qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -205,8 +216,10 @@ class DecoderLayer(nn.Module):
             v_scale=self.v_scale,
         )
         staging = self.parallel.all_reduce_input(num_tokens, self.o_proj.shape[0], out.dtype)
-        out = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, out=staging,
-                      scale=self.o_proj_scale)
+        attended = out.reshape(num_tokens, self.q_size)
+        out = _linear(attended, self.o_proj, out=staging, scale=self.o_proj_scale)
+        if self.lora is not None:
+            out = self.lora.add("o_proj", attended, out)
         return self.parallel.all_reduce(out)
 
 

@@ -23,6 +23,9 @@ import torch
 from inference.config import ResolvedEngineConfig
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.layers.kv_cache import kv_block_bytes
+from inference.lora.device import DeviceLoRAs
+from inference.lora.request import LoRARequest
+from inference.lora.slots import LoRASlotTable
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
@@ -79,6 +82,18 @@ class ModelRunner:
         # The last step's sampled ids, where the next step's placeholders read them.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64,
                                        device=self.device)  # fmt: skip
+        # LoRA adapters: their device slots, and (on one device) which adapter is in which.
+        self.loras: DeviceLoRAs | None = None
+        self.lora_table: LoRASlotTable | None = None
+        if config.enable_lora:
+            self.loras = DeviceLoRAs(
+                self.model, model_config, config.max_loras, config.max_lora_rank,
+                config.cpu_lora_capacity,
+                max(config.max_num_batched_tokens, config.max_num_seqs), dtype, self.device,
+            )  # fmt: skip
+            self.lora_table = LoRASlotTable(config.max_loras)
+            logger.info("LoRA: %d slots of rank %d, %.1f MiB", config.max_loras,
+                        config.max_lora_rank, self.loras.bytes / 2**20)  # fmt: skip
 
     # -- KV cache sizing ---------------------------------------------------------------
     @property
@@ -166,6 +181,9 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.model = None
+        if self.loras is not None:
+            self.loras.close()
+            self.loras = None
 
     @property
     def dead_reason(self) -> str | None:
@@ -194,6 +212,8 @@ class ModelRunner:
             return 0.0
         start = time.perf_counter()
         if not self.config.enforce_eager:
+            if self.loras is not None:
+                self.loras.capturing()
             before = torch.cuda.memory_reserved(self.device)
             self.graphs = StepGraphs(
                 self.forward, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -264,14 +284,28 @@ class ModelRunner:
         sequences at ``sample_rows`` (those whose last known token was computed). On a GPU
         this queues the work and returns at once: the host can do other work while it runs
         and collect the sampled tokens with ``result()``."""
-        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size)
+        inputs = build_step_inputs(seqs, num_new_tokens, self.block_size, self.lora_table)
         return self.launch_inputs(inputs, sample_rows, sampling)
+
+    def prefetch_lora(self, request: LoRARequest) -> None:
+        """A request with this adapter arrived: read its tensors off the step loop."""
+        if self.loras is not None:
+            self.loras.prefetch(request)
+
+    def forget_lora(self, request: LoRARequest) -> None:
+        """An adapter was unloaded: drop it from the slots and the CPU cache."""
+        if self.lora_table is not None:
+            self.lora_table.forget(request)
+        if self.loras is not None:
+            self.loras.forget(request)
 
     @torch.inference_mode()
     def launch_inputs(
         self, inputs: StepInputs, sample_rows: list[int], sampling: SamplingMetadata
     ) -> StepHandle:
         """The same from host arrays: what a tensor-parallel worker receives."""
+        if self.loras is not None:
+            self.loras.stage(inputs.lora_slots, inputs.lora_loads)
         # A step that verifies drafts runs eagerly: its queries of k + 1 tokens are not
         # among the captured decode shapes (graphs for it are future GPU work).
         verifying = sampling.draft_token_ids is not None

@@ -13,12 +13,14 @@ on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
 
+from inference.lora.request import LoRARequest
+from inference.lora.slots import LoRASlotTable
 from inference.sequence import Sequence
 
 
@@ -33,6 +35,10 @@ class StepInputs:
     query_start_loc: np.ndarray  # [B + 1] int64
     block_tables: np.ndarray  # [B, max_blocks] int32
     max_query_len: int
+    # LoRA (``inference.lora``): each token's adapter slot (-1: the base model; None: no
+    # adapter in the step), and the (slot, adapter) loads to do before it runs.
+    lora_slots: np.ndarray | None = None  # [T] int32
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -44,9 +50,11 @@ class StepInputs:
 
 
 def build_step_inputs(
-    seqs: list[Sequence], num_new_tokens: list[int], block_size: int
+    seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+    lora_table: LoRASlotTable | None = None,
 ) -> StepInputs:
-    """Vectorised over tokens: Python touches each sequence once, never each token."""
+    """Vectorised over tokens: Python touches each sequence once, never each token.
+    ``lora_table``: the engine serves LoRA adapters; it places this step's in slots."""
     counts = np.asarray(num_new_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -69,7 +77,13 @@ def build_step_inputs(
         block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
+    lora_slots, lora_loads = None, []
+    if lora_table is not None and any(s.lora_request is not None for s in seqs):
+        row_slots, lora_loads = lora_table.assign([s.lora_request for s in seqs])
+        lora_slots = np.repeat(np.asarray(row_slots, dtype=np.int32), counts)
     return StepInputs(
+        lora_slots=lora_slots,
+        lora_loads=lora_loads,
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,13 +35,16 @@ from inference.async_engine import AsyncLLMEngine
 from inference.server.chat import ChatServing
 from inference.server.completions import CompletionServing
 from inference.server.errors import APIError, error_body, install_error_handlers
+from inference.server.lora_modules import ServedAdapters, runtime_updates_allowed
 from inference.server.metrics import ServerMetrics
 from inference.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from inference.server.serving import RequestLimits, ServingOptions, TokenizerPool
 
@@ -183,12 +186,15 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     options: ServingOptions | None = None,
     root_path: str = "",
+    adapters: ServedAdapters | None = None,
 ) -> FastAPI:
     """``root_path``: the path prefix a proxy strips before requests reach the server
     (vLLM's --root-path), so that generated URLs (the OpenAPI schema's) carry it."""
     limits = limits or RequestLimits()
     tokenizer_pool = TokenizerPool()
-    shared = {"limits": limits, "tokenizer_pool": tokenizer_pool, "options": options}
+    adapters = adapters or ServedAdapters(served_model_names)
+    shared = {"limits": limits, "tokenizer_pool": tokenizer_pool, "options": options,
+              "adapters": adapters}  # fmt: skip
     completions = CompletionServing(engine, served_model_names, **shared)
     chat = ChatServing(
         engine, served_model_names, tool_call_parser=tool_call_parser,
@@ -245,7 +251,11 @@ def build_app(
             }
             for name in served_model_names
         ]
+        cards += adapters.cards(created, config.max_model_len)
         return {"object": "list", "data": cards}
+
+    if runtime_updates_allowed():
+        _add_lora_routes(v1, engine, adapters)
 
     @v1.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -261,6 +271,29 @@ def build_app(
     app.include_router(tokenizer_routes)
     _add_probes(app, engine, metrics)
     return app
+
+
+def _add_lora_routes(router: APIRouter, engine: AsyncLLMEngine, adapters: ServedAdapters) -> None:
+    """vLLM's runtime adapter routes (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        try:
+            adapters.add(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        try:
+            removed = adapters.remove(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found.",
+                           param="lora_name", code="model_not_found") from None
+        engine.remove_lora(removed.lora_int_id)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _add_tokenizer_routes(router: APIRouter, chat: ChatServing) -> None:

@@ -249,7 +249,7 @@ class ChatServing(OpenAIServing):
         return (req.top_logprobs or 0) if req.logprobs else None
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_ready()
         tools = self.tool_plan(req)
         self.check_batch(1, req.n)
@@ -261,7 +261,7 @@ class ChatServing(OpenAIServing):
             tools.constraint if tools is not None else None,
         )
         request_id = self.new_request_id("chatcmpl", raw)
-        stream = self.generate([prompt], params, request_id)
+        stream = self.generate([prompt], params, request_id, lora)
         try:
             first = await self.first_output(raw, stream)
         except ClientDisconnected:
@@ -311,7 +311,8 @@ class _ChatView:
         self.prompt = prompt
         self.request_id = request_id
         self.created = int(time.time())
-        self.model = serving.model_name
+        # An adapter's requests answer under its name, as vLLM's do.
+        self.model = req.model if serving.adapters.get(req.model) else serving.model_name
         options = req.stream_options
         self.include_usage = bool(options and options.include_usage)
         last = req.messages[-1]

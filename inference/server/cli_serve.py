@@ -37,6 +37,7 @@ from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
 from inference.chat_templates import CONTENT_FORMATS, load_chat_template
 from inference.config import EngineConfig, add_engine_args, engine_kwargs
 from inference.server.app import DEFAULT_MAX_BODY_BYTES
+from inference.server.lora_modules import RUNTIME_UPDATES_ENV, ServedAdapters, parse_lora_module
 from inference.server.reasoning_parsers import REASONING_PARSERS
 from inference.server.serving import RequestLimits, ServingOptions
 from inference.server.tool_parsers import TOOL_PARSERS
@@ -189,6 +190,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="MODULE",
+        help="LoRA adapters served under model names (with --enable-lora): name=path, or "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; more at '
+        f"run time through /v1/load_lora_adapter when {RUNTIME_UPDATES_ENV}=True",
+    )
     add_foreign_flags(parser)
     # The engine's own flags, generated from EngineConfig (the model is the positional
     # argument above, and --served-model-name takes several names here).
@@ -221,7 +228,26 @@ def check_serve_args(args: argparse.Namespace) -> list[str]:
         errors.append("--enable-auto-tool-choice needs --tool-call-parser")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         errors.append("--ssl-keyfile and --ssl-certfile go together")
+    if args.lora_modules and not args.enable_lora:
+        errors.append("--lora-modules needs --enable-lora")
     return errors
+
+
+def served_adapters(args: argparse.Namespace, config: EngineConfig,
+                    names: list[str]) -> ServedAdapters:
+    """The --lora-modules, each checked against the model (ValueError says which and why)."""
+    from inference.model_files import resolve_model
+    from inference.models.config import ModelConfig
+
+    model_config = ModelConfig.from_folder(resolve_model(config.model)) if (
+        config.enable_lora) else None  # fmt: skip
+    adapters = ServedAdapters(names, model_config, config.max_lora_rank, config.enable_lora)
+    for module in args.lora_modules:
+        try:
+            adapters.add(module.name, module.path, module.base_model_name)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {module.name}: {exc}") from None
+    return adapters
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
@@ -351,6 +377,7 @@ def run_serve(args: argparse.Namespace) -> int:
         names = served_names(args)
         config = engine_config(args, names)
         options = serving_options(args)
+        adapters = served_adapters(args, config, names)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -395,6 +422,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         options=options,
         root_path=args.root_path,
+        adapters=adapters,
     )
     uv_config = uvicorn.Config(
         app,

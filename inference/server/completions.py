@@ -135,7 +135,7 @@ class CompletionServing(OpenAIServing):
             )  # fmt: skip
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_ready()
         self.validate(req)
         raw_prompts = self.raw_prompts(req)
@@ -148,7 +148,7 @@ class CompletionServing(OpenAIServing):
         if req.echo and req.logprobs is not None:
             params = replace(params, prompt_logprobs=req.logprobs)
         request_id = self.new_request_id("cmpl", raw)
-        stream = self.generate(prompts, params, request_id)
+        stream = self.generate(prompts, params, request_id, lora)
         try:
             first = await self.first_output(raw, stream)
         except ClientDisconnected:
@@ -184,7 +184,8 @@ class _CompletionView:
         self.prompts = prompts
         self.request_id = request_id
         self.created = int(time.time())
-        self.model = serving.model_name
+        # An adapter's requests answer under its name, as vLLM's do.
+        self.model = req.model if serving.adapters.get(req.model) else serving.model_name
         self.echo = bool(req.echo)
         self.prompt_only = self.echo and req.max_tokens == 0  # prompt scoring
         # Per prompt: its logprobs, which the engine sends once (streaming needs them for

@@ -116,6 +116,16 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."
         )
+        # vLLM's LoRA gauge, read by the Gateway API inference extension to route by adapter:
+        # the adapters as comma-separated labels, the value the time of the last change.
+        # Exported only with LoRA on; one series (the current state), replaced on change.
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running and waiting LoRA adapters, as labels (value: when they last changed).",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=self.registry,
+        )  # fmt: skip
+        self._lora_state: tuple | None = None
         self.counters = {
             "num_preemptions": counter(
                 "vllm:num_preemptions", "Preemptions (requests evicted to free KV blocks)."
@@ -268,6 +278,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self._set_lora_info(stats)
         for key, value in _running_totals(stats).items():
             delta = value - self._last_totals.get(key, 0)
             if delta > 0:
@@ -294,6 +305,17 @@ class ServerMetrics:
             counter = self.request_success.get(reason)
             if counter is not None:
                 counter.inc(count)
+
+    def _set_lora_info(self, stats: EngineStats) -> None:
+        if not stats.max_lora:
+            return
+        state = (",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                 str(stats.max_lora))  # fmt: skip
+        if state == self._lora_state:
+            return
+        self._lora_state = state
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(*state).set_to_current_time()
 
 
 def observe_many(histogram: Any, values: list[float]) -> None:

@@ -260,6 +260,15 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Request):  # vLLM's /v1/load_lora_adapter body
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):  # vLLM's /v1/unload_lora_adapter body
+    lora_name: str = Field(min_length=1)
+
+
 def message_dicts(
     messages: list[ChatMessage], content_format: str = "string"
 ) -> list[dict[str, Any]]:

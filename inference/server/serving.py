@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -30,9 +31,11 @@ from inference.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
+from inference.lora.request import LoRARequest
 from inference.outputs import Logprob, OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams, StructuredOutputsParams
 from inference.server.errors import APIError
+from inference.server.lora_modules import ServedAdapters
 from inference.server.protocol import _SamplingFields
 from inference.server.structured import requested_structured_outputs
 
@@ -110,9 +113,11 @@ class OpenAIServing:
         limits: RequestLimits | None = None,
         tokenizer_pool: TokenizerPool | None = None,
         options: ServingOptions | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.adapters = adapters or ServedAdapters(served_model_names)
         self.limits = limits or RequestLimits()
         self.tokenizer_pool = tokenizer_pool or TokenizerPool()
         self.options = options or ServingOptions()
@@ -132,14 +137,20 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return int(self.engine.config.max_model_len)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a model this
+        server does not serve."""
         if model == DEFAULT_MODEL_ALIAS:
-            return
+            return None
+        lora = self.adapters.get(model)
+        if lora is not None:
+            return lora
         if model and model not in self.served_model_names:
+            served = [*self.served_model_names, *self.adapters.adapters]
             raise APIError(
                 404,
                 f"The model `{model}` does not exist; this server serves "
-                f"{', '.join(self.served_model_names)}.",
+                f"{', '.join(served)}.",
                 param="model",
                 code="model_not_found",
             )
@@ -328,7 +339,8 @@ class OpenAIServing:
         return f"{prefix}-{raw.state.request_id}"
 
     def generate(
-        self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str
+        self, prompts: list[PreparedPrompt], params: SamplingParams, request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Per-step deltas of all prompts as ``(prompt_index, output)``, interleaved as
         produced: each output holds only what is new (``AsyncLLMEngine.generate(delta=True)``)."""
@@ -336,6 +348,8 @@ class OpenAIServing:
         if self.options.log_requests:
             self.log_request(request_id, prompts, params)
         generate = self.engine.generate
+        if lora_request is not None:
+            generate = partial(generate, lora_request=lora_request)
         if len(prompts) == 1:
             return _tag(generate(prompts[0].token_ids, params, request_id, arrival, delta=True))
         streams = [

@@ -28,7 +28,6 @@ class ForeignFlag:
     harmless: tuple[str, ...] | None = ()  # values that change nothing (None: every value)
 
 
-_NO_LORA = "pagoda serves no LoRA adapters"
 FOREIGN_FLAGS = (
     ForeignFlag(("--pipeline-parallel-size", "-pp"), "pagoda shards a model over GPUs with "
                 "--tensor-parallel-size only (no pipeline parallelism)", harmless=("1",)),
@@ -54,10 +53,10 @@ FOREIGN_FLAGS = (
                 "async scheduling overlapping host and GPU work", harmless=None),
     ForeignFlag(("--max-parallel-loading-workers",), "weights load in one pass per worker",
                 harmless=None),
-    ForeignFlag(("--enable-lora",), _NO_LORA, nargs=0),
-    ForeignFlag(("--lora-modules",), _NO_LORA, nargs="+"),
-    ForeignFlag(("--max-loras",), _NO_LORA),
-    ForeignFlag(("--max-lora-rank",), _NO_LORA),
+    ForeignFlag(("--fully-sharded-loras",), "LoRA adapters are sharded as their base layers "
+                "are (B by output rows, A by input columns)", nargs=0, harmless=None),
+    ForeignFlag(("--lora-dtype",), "LoRA adapters run in the model's dtype",
+                harmless=("auto",)),
     ForeignFlag(("--num-speculative-tokens",), "speculative decoding is configured with "
                 "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
     ForeignFlag(("--kv-transfer-config",), "pagoda has no KV-cache connectors (LMCache, "

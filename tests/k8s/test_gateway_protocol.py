@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = Path(__file__).parent / "data/gateway-api-inference-extension/model-server-protocol.md"
 SERVER_METRICS = ROOT / "inference/server/metrics.py"
 
-# What pagoda does not serve yet, and why: the protocol asks it only of servers with LoRA.
-NOT_YET = {"vllm:lora_requests_info": "pagoda serves no LoRA adapters yet"}
+# What pagoda does not serve yet, and why (nothing now).
+NOT_YET: dict[str, str] = {}
 
 
 def protocol_vllm_metrics() -> tuple[set[str], dict[str, set[str]]]:
@@ -58,9 +58,20 @@ def test_the_protocol_lists_what_the_epp_scrapes() -> None:
     assert labels["vllm:cache_config_info"] == {"block_size", "num_gpu_blocks"}
 
 
-def test_the_engine_serves_every_protocol_metric_but_lora_info() -> None:
+def test_the_engine_serves_every_protocol_metric() -> None:
     wanted, wanted_labels = protocol_vllm_metrics()
     served, served_labels = served_metrics()
     assert wanted - served == set(NOT_YET), f"missing from /metrics: {wanted - served}"
     for name, labels in wanted_labels.items():
         assert labels <= served_labels[name], f"{name} lacks labels {labels - served_labels[name]}"
+
+
+def test_lora_info_has_the_labels_the_protocol_reads() -> None:
+    """The protocol's LoRA section names three labels of ``vllm:lora_requests_info``: the
+    adapters running and waiting (comma-separated) and ``max_lora``."""
+    text = PROTOCOL.read_text()
+    section = text[text.index("vllm:lora_requests_info"):]
+    wanted = {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert all(f"`{label}`" in section for label in wanted)
+    _, served_labels = served_metrics()
+    assert served_labels["vllm:lora_requests_info"] == wanted

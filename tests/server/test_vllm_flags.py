@@ -127,8 +127,8 @@ def test_foreign_flags_are_ignored_when_harmless_and_refused_otherwise() -> None
     args = parse(["--pipeline-parallel-size", "1", "--language-model-only"])
     assert check_serve_args(args) == []
     assert len(getattr(args, IGNORED_DEST)) == 2
-    refused = check_serve_args(parse(["-pp", "2", "--enable-lora"]))
-    assert [m.split(":")[0] for m in refused] == ["-pp 2", "--enable-lora"]
+    refused = check_serve_args(parse(["-pp", "2", "--enable-sleep-mode"]))
+    assert [m.split(":")[0] for m in refused] == ["-pp 2", "--enable-sleep-mode"]
     assert "no pipeline parallelism" in refused[0]
 
 
