@@ -317,7 +317,10 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config with tensor_parallel_size > 1 is not supported yet: "
                 "speculative decoding runs on one GPU (or CPU)")
-
+        if self.speculative() is not None and self.enable_lora:
+            raise ValueError(
+                "speculative_config with enable_lora is not supported yet: the draft and "
+                "verify steps run the base model only; serve adapters without speculation")
 
     def _validate_lora(self) -> None:
         if self.max_loras < 1:

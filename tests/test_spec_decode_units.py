@@ -114,6 +114,8 @@ def test_config_defaults_and_refusals():
     assert parse_speculative_config({**NGRAM, "prompt_lookup_max": 4}).prompt_lookup_min == 1
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
         EngineConfig("m", speculative_config=NGRAM, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config with enable_lora is not supported"):
+        EngineConfig("m", speculative_config=NGRAM, enable_lora=True)
 
 
 def _decoding_seq(seq_id: int, tokens: list[int], **params) -> Sequence:
