@@ -39,7 +39,7 @@ _DTYPE_NAMES = {
 _DTYPES = ("auto", *_DTYPE_NAMES)
 
 # Batch limits when none are given: what an H100/H200-class card sustains (measured in
-# inference/bench/results), and what a CPU steps through without long stalls.
+# benchmarks/results), and what a CPU steps through without long stalls.
 DEFAULT_MAX_NUM_SEQS = {"cuda": 1024, "cpu": 256}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
 

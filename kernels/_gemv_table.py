@@ -2,8 +2,8 @@
 
 Plain Python (no Triton import), so ``kernels.linear`` can decide without loading Triton.
 ``FP8_TABLE``/``lookup_fp8`` do the same for the FP8 skinny GEMM (``kernels.fp8_linear``),
-filled from ``python -m inference.bench.gemv_check --fp8`` (``fp8_table_from_sweep``).
-``TABLE`` holds the shapes measured on one H200 with ``inference/bench/gemv_check.py``
+filled from ``python -m benchmarks.gemv_check --fp8`` (``fp8_table_from_sweep``).
+``TABLE`` holds the shapes measured on one H200 with ``benchmarks/gemv_check.py``
 (bf16, CUDA-graph replay, weights rotated past L2); ``heuristic`` covers the interpreter
 and the sweep's starting points.
 """

@@ -34,7 +34,7 @@ def test_structured_check_reports_where_a_step_goes(tmp_path):
 
     from tiny_models import build_tokenizer
 
-    from inference.bench import structured_check
+    from benchmarks import structured_check
 
     build_tokenizer(tmp_path / "tok")
     out = tmp_path / "out.json"

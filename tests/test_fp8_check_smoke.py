@@ -1,4 +1,4 @@
-"""``python -m inference.bench.fp8_check --smoke``: the FP8 quality and speed check runs end
+"""``python -m benchmarks.fp8_check --smoke``: the FP8 quality and speed check runs end
 to end on CPU (tiny random model) and writes its record, so the GPU run is not the first
 time its plumbing executes; its perplexity agrees with a forward pass outside the engine."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from inference.bench import fp8_check
+from benchmarks import fp8_check
 
 
 def test_smoke_run_writes_quality_and_speed(tmp_path) -> None:

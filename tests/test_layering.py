@@ -26,7 +26,7 @@ PACKAGES = ("inference", "kernels")
 # Layer 0 is the top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.cli",),  # the `pagoda` command: serve, chat, bench, download
-    ("inference.bench",),  # benchmarks and GPU checks
+    ("inference.bench",),  # pagoda bench latency|throughput|serve
     ("inference.server",),  # the OpenAI-compatible HTTP API
     ("inference.async_engine",),  # the server's asyncio front of the engine process
     ("inference.engine_core", "inference.llm", "inference.__init__"),  # the engine's fronts
@@ -199,6 +199,19 @@ def test_the_operator_never_imports_the_engine():
         for path in sorted((ROOT / "operator").rglob("*.py"))
         for line, target in _first_party_imports(path)
     ]
+    assert found == []
+
+
+def test_the_installed_package_never_imports_the_benchmarks():
+    """``benchmarks/`` (GPU checks, sweeps, results) is not installed: nothing that is may
+    import it."""
+    found = []
+    for path in [*_sources(), *sorted((ROOT / "operator").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                      if n.split(".")[0] == "benchmarks"]
     assert found == []
 
 

@@ -3,8 +3,8 @@ shape): every section of the JSON the operator's simulator reads is there and sa
 
 import json
 
+from benchmarks.sim_calibration import add_sim_calibration_args, run_sim_calibration
 from inference.bench.common import bench_main
-from inference.bench.sim_calibration import add_sim_calibration_args, run_sim_calibration
 
 
 def test_smoke_run_writes_every_section(tmp_path):

@@ -1,5 +1,5 @@
 """Shared pieces of the benchmarks: named real-model shapes with random weights, and the
-result record every published run keeps (inference/bench/results/*.json)."""
+result record every published run keeps (benchmarks/results/*.json)."""
 
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def words_eligible(group_size: int, num_groups: int, g_idx: torch.Tensor | None)
 
 
 def words_config_for(m: int, n: int, k: int) -> WordsConfig:
-    """The launch measured best on one H200 (``inference/bench/int4_check.py``, Qwen2.5-1.5B
+    """The launch measured best on one H200 (``benchmarks/int4_check.py``, Qwen2.5-1.5B
     and 7B projections, groups of 128, results/int4_check_h200.json): the vec variant; up
     to 4 rows, tiles of 8 outputs x 64 words unless that gives too few programs (then K
     split 4 ways, or 8 for K >= 16k); above, 4-row blocks of 16 outputs x 32 words, K in

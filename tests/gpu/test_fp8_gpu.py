@@ -232,9 +232,9 @@ QUALITY_LIMITS = {
 
 
 def test_fp8_quality_against_bf16(tmp_path) -> None:
-    """The quality half of ``inference.bench.fp8_check`` on the embedded model and the
+    """The quality half of ``benchmarks.fp8_check`` on the embedded model and the
     realistic random model, with first thresholds."""
-    from inference.bench import fp8_check
+    from benchmarks import fp8_check
 
     args = fp8_check.build_parser().parse_args([])
     # KV in blocks: engines of concurrent suite shards share the GPU (run_suite.sh).

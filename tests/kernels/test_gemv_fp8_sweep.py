@@ -1,4 +1,4 @@
-"""The FP8 GEMV sweep (``python -m inference.bench.gemv_check --fp8``) end to end on CPU:
+"""The FP8 GEMV sweep (``python -m benchmarks.gemv_check --fp8``) end to end on CPU:
 tiny shapes, the Triton interpreter, a stand-in timer; so the H200 run cannot fail on a
 wrong argument, key or JSON field. And its table round trip into ``kernels._gemv_table``."""
 
@@ -17,7 +17,7 @@ TINY = {"tiny": {"qkv": (40, 96, True)}}
 
 @pytest.fixture
 def sweep(monkeypatch: pytest.MonkeyPatch):
-    from inference.bench import gemv_fp8
+    from benchmarks import gemv_fp8
 
     monkeypatch.setattr(gemv_fp8, "DEVICE", torch.device("cpu"))
     monkeypatch.setattr(gemv_fp8, "SHAPES", TINY)
@@ -58,7 +58,7 @@ def sweep(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_sweep_runs_end_to_end(sweep, tmp_path, monkeypatch, capsys) -> None:
-    from inference.bench import gemv_check
+    from benchmarks import gemv_check
 
     path = tmp_path / "fp8_sweep.json"
     argv = ["gemv_check", "--fp8", "--out", str(path), "--workers", "0", "--fp8-ms", "1", "3"]
@@ -88,7 +88,7 @@ def test_sweep_runs_end_to_end(sweep, tmp_path, monkeypatch, capsys) -> None:
 def test_candidates_on_the_real_shapes() -> None:
     """Few enough for the time budget, every kind, tiles within K, split-K slices that
     are not empty."""
-    from inference.bench import gemv_fp8
+    from benchmarks import gemv_fp8
 
     total = 0
     for projections in gemv_fp8.SHAPES.values():

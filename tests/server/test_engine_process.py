@@ -21,8 +21,8 @@ from server_harness import (
     wait_until_gone,
 )
 
+from benchmarks import serve_trace
 from inference.bench import serve as bench_serve
-from inference.bench import serve_trace
 
 LONG = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
 

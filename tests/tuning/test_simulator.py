@@ -27,7 +27,7 @@ from pagoda_operator.tuning.sim.report import (
 from pagoda_operator.tuning.sim.traces import TRACES, Trace, burst, tenants
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "inference" / "bench" / "results" / "sim_calibration_h200.json"
+BENCH = ROOT / "benchmarks" / "results" / "sim_calibration_h200.json"
 RESULTS = ROOT / "operator" / "tuning-results"
 GPU_SAMPLE = ROOT / "manifests" / "samples" / "llmdeployment-gpu-autoscaled.yaml"
 MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
@@ -50,7 +50,7 @@ def test_engine_model_reproduces_every_measured_point(name: str) -> None:
 def test_the_simulator_reads_the_bench_s_own_output() -> None:
     """The checked-in calibration is the H200 bench's JSON (once it has run there)."""
     if not BENCH.exists():
-        pytest.skip("no H200 run of inference/bench/sim_calibration.py committed yet")
+        pytest.skip("no H200 run of benchmarks/sim_calibration.py committed yet")
     bench = json.loads(BENCH.read_text())
     assert json.loads(engine.CALIBRATION.read_text())["models"] == bench["models"]
 

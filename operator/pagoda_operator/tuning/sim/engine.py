@@ -1,6 +1,6 @@
 """One engine replica as a fixed-timestep model, calibrated on this engine's H200 numbers.
 
-The numbers come from ``inference/bench/sim_calibration.py`` run on one H200 (random bf16
+The numbers come from ``benchmarks/sim_calibration.py`` run on one H200 (random bf16
 weights in the exact Qwen2.5 shapes), checked in beside this file as
 ``sim_calibration_h200.json``; this module fits the model to them and nothing else:
 

@@ -1,4 +1,4 @@
-"""``python -m inference.bench.sim_calibration``: the engine numbers the operator's tuning
+"""``python -m benchmarks.sim_calibration``: the engine numbers the operator's tuning
 simulator is calibrated on, measured through the public engine API on one card.
 
 For each named shape (random bf16 weights, engine defaults otherwise):

@@ -1,7 +1,7 @@
 """Int4 (W4A16) decode projections on one GPU: the word GEMV's launch configs against the
 first GEMV and the GEMM, next to bf16 ``F.linear`` (cuBLAS) of the same shape.
 
-    python -m inference.bench.int4_check --out $OUT/int4_check.json [--budget-s 200]
+    python -m benchmarks.int4_check --out $OUT/int4_check.json [--budget-s 200]
 
 For the projections of Qwen2.5-1.5B and Qwen2.5-7B (groups of 128) and M = 1, 2, 4, 8, 16:
 every candidate is checked against the float32 reference (NaN-poisoned output) and timed
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from inference.bench.cuda_timing import graph_us
+from benchmarks.cuda_timing import graph_us
 from kernels._triton import int4_linear as k4
 from kernels.int4_linear import int4_linear_ref
 

@@ -1,11 +1,11 @@
 """Skinny GEMM (decode projections, M <= 16): Triton GEMV configs vs cuBLAS, on one GPU.
 
-    PYTHONUNBUFFERED=1 python3 inference/bench/gemv_check.py [--mode sweep|confirm]
+    PYTHONUNBUFFERED=1 python3 benchmarks/gemv_check.py [--mode sweep|confirm]
         [--out PATH] [--budget-s 270] [--workers 14]
-    python -m inference.bench.gemv_check --fp8 --out $OUT/fp8_sweep.json
+    python -m benchmarks.gemv_check --fp8 --out $OUT/fp8_sweep.json
 
 It imports only ``kernels``, torch and triton (as a file or with ``-m``). ``--fp8`` runs the
-FP8 skinny GEMM sweep instead (``inference/bench/gemv_fp8.py``: kinds and tilings against the
+FP8 skinny GEMM sweep instead (``benchmarks/gemv_fp8.py``: kinds and tilings against the
 bf16 path and cuBLASLt's FP8 GEMM, the JSON ``kernels._gemv_table.FP8_TABLE`` is filled from).
 
 For the projection shapes of Qwen2.5-1.5B, Qwen2.5-7B and Llama-3-8B (qkv, o, gate_up,
@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -42,8 +42,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import kernels  # noqa: E402
-from inference.bench import gemv_fp8  # noqa: E402
-from inference.bench.cuda_timing import graph_us  # noqa: E402
+from benchmarks import gemv_fp8  # noqa: E402
+from benchmarks.cuda_timing import graph_us  # noqa: E402
 from kernels import _gemv_table  # noqa: E402
 from kernels._float64 import rel_err, silu_and_mul64  # noqa: E402
 from kernels._gemv_table import GemvConfig  # noqa: E402

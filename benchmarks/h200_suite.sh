@@ -7,7 +7,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Multi-GPU hosts here keep NVLink multicast off (see the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-B="python3 -m inference.bench"
+B="python3 -m inference.bench"  # pagoda bench latency|throughput|serve
+C="python3 -m benchmarks"  # the GPU checks
 PART=${1:-all}
 
 if [[ $PART == all || $PART == parity ]]; then
@@ -22,7 +23,7 @@ if [[ $PART == all || $PART == structured ]]; then
       --target /tmp/site-llg .whl/llguidance-*.whl && export PYTHONPATH=/tmp/site-llg${PYTHONPATH:+:$PYTHONPATH}
   fi
   tok=(); [[ -d .whl/smollm2-tokenizer ]] && tok=(--tokenizer .whl/smollm2-tokenizer)
-  $B.structured_check --model qwen2.5-1.5b "${tok[@]}" --out "$OUT/structured_check_h200.json" \
+  $C.structured_check --model qwen2.5-1.5b "${tok[@]}" --out "$OUT/structured_check_h200.json" \
       2>&1 | tail -12
 fi
 if [[ $PART == all || $PART == bench ]]; then
@@ -36,11 +37,11 @@ if [[ $PART == all || $PART == bench ]]; then
       --num-iters 2 --output-json "$OUT/latency_qwen2.5-7b.json"
 fi
 if [[ $PART == all || $PART == serve ]]; then
-  bash inference/bench/serve_h200.sh
+  bash benchmarks/serve_h200.sh
 fi
 if [[ $PART == all || $PART == tp ]]; then
   if (( $(python3 -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
-    python3 -m inference.bench.tp_check --num-prompts 512 \
+    python3 -m benchmarks.tp_check --num-prompts 512 \
         --output-json "$OUT/tp_check_qwen2.5-7b.json" 2>&1 | grep -E "parity|noise|TP=|wrote"
   else
     echo "tp: skipped, this machine has fewer than 2 GPUs"
@@ -49,7 +50,7 @@ fi
 if [[ $PART == all || $PART == fp8 ]]; then
   # FP8 weights against bf16: quality (SmolLM2 + a realistic random model) and speed
   # (Qwen2.5-1.5B/7B, batch 1 and 256 offline), one JSON.
-  $B.fp8_check --output-json "$OUT/fp8_check_h200.json" 2>&1 | grep -E "^(quality|speed)"
+  $C.fp8_check --output-json "$OUT/fp8_check_h200.json" 2>&1 | grep -E "^(quality|speed)"
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -1,6 +1,6 @@
 """Tensor parallelism on a multi-GPU host: parity with one GPU, then speed.
 
-    PYTHONUNBUFFERED=1 python3 -m inference.bench.tp_check [--tp 2] [--model qwen2.5-7b]
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.tp_check [--tp 2] [--model qwen2.5-7b]
 
 Part 1 (parity) saves a small random Qwen2-style model (qkv bias, 2 KV heads so that TP=2
 holds one each, an odd vocabulary so that the vocabulary shards are padded) as a real
@@ -15,7 +15,7 @@ bfloat16 vs float32 on one rank.
 Part 2 (speed) runs ``pagoda bench latency`` (batch 1) and ``pagoda bench throughput`` for
 ``--model`` at TP=1 and TP=N, each in its own process (each takes
 ``--gpu-memory-utilization`` of every GPU it uses).
-Everything lands in one JSON (default inference/bench/results/tp_check_<model>.json) with
+Everything lands in one JSON (default benchmarks/results/tp_check_<model>.json) with
 the command, the commit and the hardware.
 """
 
@@ -135,7 +135,7 @@ def run_parity(tp: int, workdir: Path) -> dict[str, Any]:
     for dtype in ("float32", "bfloat16"):
         for size in (1, tp):
             out = workdir / f"parity_{dtype}_tp{size}.json"
-            _python("inference.bench.tp_check", "--parity-run", str(folder), "--tp", str(size),
+            _python("benchmarks.tp_check", "--parity-run", str(folder), "--tp", str(size),
                     "--dtype", dtype, "--parity-out", str(out))
             runs[dtype, size] = json.loads(out.read_text())
         results[dtype] = compare(runs[dtype, 1], runs[dtype, tp])
@@ -166,7 +166,7 @@ def run_speed(args: argparse.Namespace, workdir: Path) -> dict[str, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inference.bench.tp_check")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tp_check")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--model", default="qwen2.5-7b", help="shape for the speed part")
     parser.add_argument("--input-len", type=int, default=512)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(__file__).parent / "results" / f"tp_check_{args.model}.json"
     )
     summary = record("tp_check", **result)
-    summary["command"] = " ".join(["python -m inference.bench.tp_check", *sys.argv[1:]])
+    summary["command"] = " ".join(["python -m benchmarks.tp_check", *sys.argv[1:]])
     write_json(path, summary)
     print(f"wrote {path}")
     return 0

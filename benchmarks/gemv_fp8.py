@@ -1,7 +1,7 @@
 """FP8 skinny GEMM sweep (``gemv_check --fp8``): the Triton FP8 kernels' kinds and tilings
 against the tuned bf16 path and cuBLASLt's FP8 GEMM, on one GPU.
 
-    python -m inference.bench.gemv_check --fp8 [--out PATH] [--budget-s 230] [--workers 14]
+    python -m benchmarks.gemv_check --fp8 [--out PATH] [--budget-s 230] [--workers 14]
 
 For the Qwen2.5-1.5B and 7B projections (qkv, o, gate_up, down) at M = 1, 2, 4, 8: every
 candidate config (``candidates``) is compiled first in parallel worker processes (Triton's
@@ -35,7 +35,7 @@ import torch
 import triton
 
 import kernels
-from inference.bench.cuda_timing import graph_us
+from benchmarks.cuda_timing import graph_us
 from kernels import _gemv_table
 from kernels._float64 import fp8_linear64, rel_err
 from kernels._gemv_table import GemvConfig

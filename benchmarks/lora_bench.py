@@ -2,7 +2,7 @@
 targets: decode at batch 64 with 8 distinct rank-16 adapters <= 1.25x the base step time,
 batch 1 with one adapter <= 1.15x, prefill throughput with adapters >= 0.85x).
 
-``python -m inference.bench.lora_bench --model qwen2.5-1.5b`` builds the named shape with
+``python -m benchmarks.lora_bench --model qwen2.5-1.5b`` builds the named shape with
 random weights and one random rank-16 adapter of every projection (served under 8 ids: 8
 distinct device slots), then times decode steps and a prefill, base versus adapters.
 Prints one JSON object.

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch.profiler over a short generation, kernels ranked
 by GPU time, plus the GPU-busy fraction of the wall time.
 
-    python -m inference.bench.profile_decode --model qwen2.5-1.5b --batch-size 1
+    python -m benchmarks.profile_decode --model qwen2.5-1.5b --batch-size 1
 """
 
 from __future__ import annotations

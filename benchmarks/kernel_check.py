@@ -1,6 +1,6 @@
 """Check every Triton kernel against float64 and time the main ones, on one GPU.
 
-    PYTHONUNBUFFERED=1 python3 -m inference.bench.kernel_check [--no-sweep] [--budget-s 380]
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.kernel_check [--no-sweep] [--budget-s 380]
 
 Part 1 compares each kernel with a float64 ground truth over a shape grid (head 64/128,
 block sizes 1..256, batch 1..256, contexts up to 4096; outputs poisoned with NaN first).

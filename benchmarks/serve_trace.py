@@ -2,7 +2,7 @@
 --save-detailed`` run beside the engine steps (``PAGODA_STEP_TRACE``) that ran while they
 waited. Both files use wall-clock times of the same machine.
 
-    python -m inference.bench.serve_trace RESULT.json STEPS.csv [--top 8]
+    python -m benchmarks.serve_trace RESULT.json STEPS.csv [--top 8]
 
 If a slow request's wait is covered by long steps, the engine is the cause (a compile, a
 big prefill, a stalled GPU); if the steps around it are short, the time went in the

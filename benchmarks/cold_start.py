@@ -1,4 +1,4 @@
-"""``python -m inference.bench.cold_start``: time from ``pagoda serve`` to a ready server.
+"""``python -m benchmarks.cold_start``: time from ``pagoda serve`` to a ready server.
 
 Each run starts a real server process (``python -m inference.cli serve MODEL ...``), polls
 ``/ready`` and records the wall time, the engine's start-up phases as it logs them

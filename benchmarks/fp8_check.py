@@ -1,7 +1,7 @@
 """FP8 weights against bf16, quality and speed, in one call.
 
-    PYTHONUNBUFFERED=1 python3 -m inference.bench.fp8_check            # on the GPU
-    python3 -m inference.bench.fp8_check --smoke                       # CPU, seconds (CI)
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_check            # on the GPU
+    python3 -m benchmarks.fp8_check --smoke                       # CPU, seconds (CI)
 
 Quality, per model, the same engine with and without ``quantization="fp8"``:
 
@@ -27,7 +27,7 @@ throughput`` (256 prompts, 512/128) for the Qwen2.5-1.5B and 7B shapes, bf16 and
 by side, each in its own process. ``--smoke`` shrinks everything to a tiny random model
 on CPU (where the engine runs the float32 references) to check the plumbing.
 
-Everything lands in one JSON (default ``inference/bench/results/fp8_check.json``; none
+Everything lands in one JSON (default ``benchmarks/results/fp8_check.json``; none
 for ``--smoke`` unless ``--output-json``) with the command, the commit and the hardware.
 """
 
@@ -396,7 +396,7 @@ def _embedded_model() -> Path | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m inference.bench.fp8_check")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_check")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny random model on CPU: checks the plumbing in seconds")
     parser.add_argument("--models", nargs="+", default=list(SPEED_SHAPES),
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             models = [str(random_folder)] if args.smoke else args.models
             result["speed"] = speed(args, workdir, models)
     result["seconds"] = round(time.perf_counter() - start, 1)
-    output = args.output_json or (None if args.smoke else "inference/bench/results/fp8_check.json")
+    output = args.output_json or (None if args.smoke else "benchmarks/results/fp8_check.json")
     write_json(output, record("fp8_check", **result))
     return 0
 

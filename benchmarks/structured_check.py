@@ -2,8 +2,8 @@
 application on the device, and the engine's decode step with and without constraints,
 split into phases.
 
-    python -m inference.bench.structured_check --out structured_h200.json
-    python -m inference.bench.structured_check --smoke     # CPU smoke test, seconds
+    python -m benchmarks.structured_check --out structured_h200.json
+    python -m benchmarks.structured_check --smoke     # CPU smoke test, seconds
 
 Two measurements at each batch size (default 1 and 64):
 
@@ -387,4 +387,4 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     raise SystemExit(run(add_args(argparse.ArgumentParser(
-        prog="python -m inference.bench.structured_check")).parse_args()))
+        prog="python -m benchmarks.structured_check")).parse_args()))

@@ -11,7 +11,7 @@ if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/nul
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 PORT=8011
-# One CSV row per engine step (written when the server stops), for inference.bench.serve_trace.
+# One CSV row per engine step (written when the server stops), for benchmarks.serve_trace.
 export PAGODA_STEP_TRACE="$OUT/serve_steps.csv"
 python3 -m inference.cli serve qwen2.5-1.5b --load-format dummy --host 127.0.0.1 --port $PORT \
   --disable-uvicorn-access-log --max-model-len 1024 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
@@ -27,7 +27,7 @@ for rate in 32 inf; do
     --save-detailed --output-json "$OUT/serve_qwen2.5-1.5b_rate${rate}.json" 2>&1 | tail -14
 done
 kill -TERM $SERVER; wait $SERVER; echo "server exit code $?"
-python3 -m inference.bench.serve_trace "$OUT/serve_qwen2.5-1.5b_rate32.json" "$PAGODA_STEP_TRACE"
+python3 -m benchmarks.serve_trace "$OUT/serve_qwen2.5-1.5b_rate32.json" "$PAGODA_STEP_TRACE"
 sleep 1
 if pgrep -f "multiprocessing.spawn import spawn_main" >/dev/null 2>&1; then
   echo "WARNING: an engine process outlived the server"; pgrep -af "spawn_main"
