@@ -246,6 +246,51 @@ async def _resolve_model(session, base_url: str, headers) -> str:
         return (await response.json())["data"][0]["id"]
 
 
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")  # fmt: skip
+
+
+async def _spec_decode_counts(session, base_url: str, headers) -> tuple[float, ...] | None:
+    """The server's speculative-decoding counters (summed over label sets) from /metrics;
+    None when it exports none (speculation off, or no /metrics)."""
+    try:
+        async with session.get(f"{base_url}/metrics", headers=headers) as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except Exception:  # noqa: BLE001 - a server without /metrics: nothing to report
+        return None
+    return spec_decode_counts_in(text)
+
+
+def spec_decode_counts_in(text: str) -> tuple[float, ...] | None:
+    """(drafts, draft tokens, accepted tokens) in a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    seen = False
+    for family in text_string_to_metric_families(text):
+        if family.name in totals:
+            seen = True
+            totals[family.name] += sum(s.value for s in family.samples
+                                       if s.name.endswith("_total"))  # fmt: skip
+    return tuple(totals.values()) if seen else None
+
+
+def spec_decode_fields(before: tuple[float, ...] | None,
+                       after: tuple[float, ...] | None) -> dict[str, Any]:  # fmt: skip
+    """Acceptance over the measurement, as ``pagoda bench latency|throughput`` report it."""
+    if before is None or after is None:
+        return {}
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before, strict=True))
+    return {
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_num_draft_tokens": int(draft_tokens),
+    }
+
+
 async def run_load(args: argparse.Namespace, requests: list[BenchRequest]):
     import aiohttp
 
@@ -266,6 +311,7 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest]):
             async with limiter:
                 return await send_request(session, url, _payload(args, model, request), headers)
 
+        spec_before = await _spec_decode_counts(session, base_url, headers)
         tasks = []
         start = time.perf_counter()
         for request, delay in zip(
@@ -276,7 +322,9 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest]):
             tasks.append(asyncio.create_task(one(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return model, results, duration
+        spec = spec_decode_fields(spec_before, await _spec_decode_counts(session, base_url,
+                                                                          headers))  # fmt: skip
+    return model, results, duration, spec
 
 
 # ----- report ----------------------------------------------------------------------------
@@ -294,7 +342,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(
-    args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
+    args: argparse.Namespace, model: str, results: list[RequestResult], duration: float,
+    spec: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
@@ -343,6 +392,7 @@ def summarize(
         total_tok_s=round((prompt_tokens + output_tokens) / duration, 1),
         total_prompt_tokens=prompt_tokens,
         total_output_tokens=output_tokens,
+        **(spec or {}),
         **latency,
     )
 
@@ -367,6 +417,9 @@ def print_table(result: dict[str, Any]) -> None:
     for key, label in names.items():
         cells = [result[f"{key}_{s}_ms"] for s in ("mean", "p50", "p90", "p99")]
         print(f"{label:<20}" + "".join(f"{'-' if c is None else f'{c:.2f}':>10}" for c in cells))
+    if "mean_acceptance_length" in result:
+        print(f"{'Mean acceptance length':<40}{result['mean_acceptance_length']:>20}")
+        print(f"{'Draft acceptance rate':<40}{result['acceptance_rate']:>20}")
     for error in result["errors"]:
         print(f"error: {error}")
     print("=" * 60)
@@ -378,8 +431,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     requests = build_workload(args)
-    model, results, duration = asyncio.run(run_load(args, requests))
-    result = summarize(args, model, results, duration)
+    model, results, duration, spec = asyncio.run(run_load(args, requests))
+    result = summarize(args, model, results, duration, spec)
     print_table(result)
     write_results(args, result)
     return 0 if result["completed"] else 1

@@ -199,6 +199,15 @@ def test_counters_reach_the_metric_names(cycling):
         assert f'{name}{{model_name="tiny"}} ' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' \
         in text
+    # ...and `pagoda bench serve` reads them back into an acceptance length.
+    from inference.bench.serve import spec_decode_counts_in, spec_decode_fields
+
+    counts = spec_decode_counts_in(text)
+    assert counts == (stats.spec_decode_num_drafts_total, stats.spec_decode_num_draft_tokens_total,
+                      stats.spec_decode_num_accepted_tokens_total)
+    fields = spec_decode_fields((0.0, 0.0, 0.0), counts)
+    assert fields["mean_acceptance_length"] == round(1 + counts[2] / counts[0], 3) > 1
+    assert spec_decode_counts_in('vllm:num_requests_running{model_name="tiny"} 0.0\n') is None
 
 
 COPY_PROMPTS = [
