@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
 # table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
-# Parts: all | parity | structured | bench | serve | tp | fp8. JSON results land in $OUT (or ./bench-out).
+# Parts: all | parity | structured | bench | serve | tp | fp8 | int4 | spec | lora.
+# JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Multi-GPU hosts here keep NVLink multicast off (see the device notes).
@@ -51,6 +52,36 @@ if [[ $PART == all || $PART == fp8 ]]; then
   # FP8 weights against bf16: quality (SmolLM2 + a realistic random model) and speed
   # (Qwen2.5-1.5B/7B, batch 1 and 256 offline), one JSON.
   $C.fp8_check --output-json "$OUT/fp8_check_h200.json" 2>&1 | grep -E "^(quality|speed)"
+fi
+if [[ $PART == all || $PART == int4 ]]; then
+  # The word GEMV's launches and the dequantize + cuBLAS path, then batch 1/8 and offline
+  # against bf16 in the same call.
+  $C.int4_check --budget-s 150 --out "$OUT/int4_check_h200.json" 2>&1 | grep -E "M=|wrote"
+  for model in qwen2.5-1.5b qwen2.5-1.5b-awq qwen2.5-7b qwen2.5-7b-awq; do
+    $B.latency --model $model --batch-size 1 8 --input-len 512 --output-len 128 --num-iters 2 \
+        --output-json "$OUT/latency_$model.json"
+  done
+  for model in qwen2.5-7b qwen2.5-7b-awq; do
+    $B.throughput --model $model --num-prompts 1024 --input-len 512 --output-len 128 \
+        --output-json "$OUT/throughput_$model.json"
+  done
+fi
+if [[ $PART == all || $PART == spec ]]; then
+  # n-gram on the copy workload (its copy rate is reported) and the off-switch at batch 256.
+  NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  for spec in "" "$NGRAM"; do
+    tag=$([[ -n $spec ]] && echo _ngram || echo "")
+    $B.latency --model qwen2.5-1.5b --batch-size 1 --workload copy --document-len 2048 \
+        --output-len 128 --num-iters 2 ${spec:+--speculative-config "$spec"} \
+        --output-json "$OUT/latency_copy$tag.json"
+    $B.throughput --model qwen2.5-1.5b --num-prompts 1024 --input-len 512 --output-len 128 \
+        --max-num-seqs 256 ${spec:+--speculative-config "$spec"} \
+        --output-json "$OUT/throughput_256$tag.json"
+  done
+fi
+if [[ $PART == all || $PART == lora ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tail -3
+  $C.lora_bench --model qwen2.5-1.5b --steps 100 2>&1 | tail -8
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
