@@ -4,7 +4,6 @@ an added adapter is downloaded first, then rolled out; the serving pods keep the
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from .emulated_cluster import EmulatedCluster, wait_for
 from .test_operator_kmock import (
