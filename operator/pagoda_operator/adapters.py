@@ -129,6 +129,10 @@ def adapter_errors(spec: dict[str, Any], served_name: str | None) -> list[str]:
         seen.add(name)
         errors += _adapter_uri_errors(where, adapter or {})
     errors += _lora_limit_errors((spec.get("engine") or {}).get("lora") or {})
+    if adapters and (spec.get("engine") or {}).get("speculative") is not None:
+        # The engine refuses the pair at start: a crash loop, unless refused here.
+        errors.append("spec.adapters: speculative decoding does not run with adapters "
+                      "(drafts and verification run the base model only)")
     return errors
 
 

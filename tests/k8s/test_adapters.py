@@ -260,6 +260,8 @@ def test_adding_an_adapter_holds_the_serving_deployment_until_cached() -> None:
         ([SQL], {"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "maxCpuLoras must be >= maxLoras"),
         ([SQL], {"lora": {"maxLoraRank": 1024}}, "spec.engine.lora.maxLoraRank: must be in"),
         ([SQL], {"extraArgs": ["--max-loras=4"]}, "--max-loras is set by the operator from"),
+        ([SQL], {"speculative": {"method": "ngram", "numSpeculativeTokens": 4}},
+         "speculative decoding does not run with adapters"),
     ],
 )
 def test_operator_refuses_bad_adapters(
