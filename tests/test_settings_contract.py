@@ -254,7 +254,9 @@ def test_adapters_reach_the_server_as_lora_modules(
     lora: dict[str, Any], expected: tuple[int, int, int]
 ) -> None:
     """spec.adapters and spec.engine.lora parse into the engine's LoRA settings."""
-    from pagoda_operator.adapters import LORA_FLAGS
+    from pagoda_operator.adapters import ENGINE_DEFAULT_MAX_LORA_RANK, LORA_FLAGS
+
+    assert EngineConfig("m").max_lora_rank == ENGINE_DEFAULT_MAX_LORA_RANK
 
     adapters = [{"name": "sql.v2_a-b", "uri": "hf://acme/sql"}, {"name": "x", "uri": "/opt/x"}]
     namespace, resolved = parse_and_resolve(adapter_args(adapters, lora))

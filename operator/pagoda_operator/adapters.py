@@ -36,6 +36,8 @@ ADAPTER_NAME_ENV = "PAGODA_ADAPTER"
 # device memory allocated at start-up).
 DEFAULT_MAX_LORAS_CEILING = 8
 MAX_ADAPTERS = 32
+# The engine's --max-lora-rank default (tests/test_settings_contract.py keeps them equal).
+ENGINE_DEFAULT_MAX_LORA_RANK = 16
 # A vLLM model name the engine's `name=path` flag and the routes carry: no '/' (read as a
 # path by clients and gateways) and no '=' (the flag's separator).
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
@@ -87,6 +89,12 @@ def lora_limits(spec: dict[str, Any]) -> dict[str, int]:
     if lora.get("maxLoraRank") is not None:
         limits["maxLoraRank"] = int(lora["maxLoraRank"])
     return limits
+
+
+def max_lora_rank(spec: dict[str, Any]) -> int:
+    """The rank the engines allow: the loader checks each downloaded adapter against it."""
+    rank = ((spec.get("engine") or {}).get("lora") or {}).get("maxLoraRank")
+    return int(rank) if rank is not None else ENGINE_DEFAULT_MAX_LORA_RANK
 
 
 def lora_args(spec: dict[str, Any]) -> list[str]:

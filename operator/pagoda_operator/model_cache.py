@@ -37,6 +37,7 @@ from pagoda_operator.adapters import (
     ADAPTERS_FOLDER,
     adapter_folder,
     downloaded_adapters,
+    max_lora_rank,
 )
 
 DOWNLOAD_SCHEMES = ("hf", "s3")
@@ -169,7 +170,8 @@ def _download_args(source: dict[str, Any], dest: str) -> list[str]:
 def adapter_loader_containers(
     spec: dict[str, Any], image: str, container_security: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """One ``pagoda download`` per hf:// or s3:// adapter, into ``adapters/<folder>``."""
+    """One ``pagoda download --lora-max-rank R`` per hf:// or s3:// adapter, into
+    ``adapters/<folder>``."""
     containers = []
     for index, adapter in enumerate(downloaded_adapters(spec)):
         container = _loader_container(
@@ -177,7 +179,10 @@ def adapter_loader_containers(
         )
         dest = f"{CACHE_MOUNT_PATH}/{ADAPTERS_FOLDER}/{adapter_folder(adapter)}"
         container["command"] = ["pagoda"]
-        container["args"] = _download_args(adapter, dest)
+        # The folder must be an adapter the engines serve (exit 6 otherwise, InvalidAdapter):
+        # a bad one fails here, before any engine rolls, not in each engine's start.
+        container["args"] = [*_download_args(adapter, dest),
+                             "--lora-max-rank", str(max_lora_rank(spec))]  # fmt: skip
         container["env"].append({"name": ADAPTER_NAME_ENV, "value": adapter["name"]})
         containers.append(container)
     return containers

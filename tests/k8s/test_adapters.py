@@ -116,11 +116,19 @@ def test_each_downloaded_adapter_is_an_init_container_of_the_loader() -> None:
     assert sql["envFrom"] == [{"secretRef": {"name": "hf"}}]
     assert {"name": "PAGODA_ADAPTER", "value": "sql"} in sql["env"]
     assert flag(chat["args"], "--endpoint-url") == "http://minio:9000"
+    assert flag(sql["args"], "--lora-max-rank") == "16"  # checked before any engine rolls
     assert "envFrom" not in chat
     assert pod["containers"][0]["args"][1:3] == ["download", HF_MODEL["uri"]]  # the model's
     # A bad adapter URI or token fails the Job at once, whichever container hit it.
     rule = job["spec"]["podFailurePolicy"]["rules"][0]
     assert rule["action"] == "FailJob" and "containerName" not in rule["onExitCodes"]
+
+
+def test_a_lower_rank_limit_checks_the_adapters_again() -> None:
+    job = objects(llmd([SQL], engine={"lora": {"maxLoraRank": 8}}))["Job"]
+    (loader,) = job["spec"]["template"]["spec"]["initContainers"]
+    assert flag(loader["args"], "--lora-max-rank") == "8"
+    assert job_hash(llmd([SQL], engine={"lora": {"maxLoraRank": 8}})) != job_hash(llmd([SQL]))
 
 
 def test_without_adapters_the_loader_job_is_unchanged() -> None:
