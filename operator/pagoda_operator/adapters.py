@@ -28,7 +28,7 @@ DOWNLOAD_SCHEMES = ("hf", "s3")
 # On the cache volume, and in the engine container.
 ADAPTERS_FOLDER = "adapters"
 ADAPTERS_MOUNT_PATH = "/adapters"
-ADAPTER_VOLUME = "adapters"
+ADAPTER_VOLUME = "adapter-cache"
 # Set on each adapter's loader container, so a failure can name the adapter.
 ADAPTER_NAME_ENV = "PAGODA_ADAPTER"
 # The engine's own --max-loras default is 1: a deployment with several adapters would then

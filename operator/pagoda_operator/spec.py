@@ -185,7 +185,7 @@ def _rollout_errors(spec: dict[str, Any]) -> list[str]:
         )
     for volume in spec.get("volumes") or []:
         if (volume or {}).get("name") in ("model", "dshm", "engine-cache", "engine-tmp",
-                                          "adapters"):
+                                          "adapter-cache"):
             errors.append(f"spec.volumes: the name {volume['name']} is the operator's")
     budget = spec.get("disruptionBudget") or {}
     if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:

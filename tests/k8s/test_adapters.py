@@ -152,9 +152,9 @@ def test_adapters_of_a_model_in_the_image_get_a_cache_of_their_own() -> None:
     pod = owned["Job"]["spec"]["template"]["spec"]
     assert "download" not in pod["containers"][0]["args"]  # no model to fetch
     engine_pod = owned["Deployment"]["spec"]["template"]["spec"]
-    volume = next(v for v in engine_pod["volumes"] if v["name"] == "adapters")
+    volume = next(v for v in engine_pod["volumes"] if v["name"] == "adapter-cache")
     assert volume["persistentVolumeClaim"] == {"claimName": "qwen-model-cache", "readOnly": True}
-    mount = next(m for m in engine_pod["containers"][0]["volumeMounts"] if m["name"] == "adapters")
+    mount = next(m for m in engine_pod["containers"][0]["volumeMounts"] if m["name"] == "adapter-cache")
     assert (mount["mountPath"], mount["subPath"], mount["readOnly"]) == (
         "/adapters", "adapters", True)  # fmt: skip
     assert engine_pod["containers"][0]["args"][1] == "default"  # the model stays the image's
