@@ -4,14 +4,17 @@
   pagoda bench throughput|latency|serve ...  the numbers people quote
   pagoda chat "question" [--model MODEL]     one answer through the offline API
   pagoda download URI DIR                    weights from hf://, s3:// or a folder into DIR
+                                             (--lora-max-rank R: and check a LoRA adapter)
   pagoda convert-default-model               prepare the embedded SmolLM2 folder
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -32,12 +35,35 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _download(args: argparse.Namespace) -> int:
+    """``pagoda download``; with ``--lora-max-rank``, the folder must then be a LoRA adapter
+    the engine serves at that rank (else exit 6, as a failed verification: a Job's pod
+    failure policy stops at once, and the operator reports it before any engine rolls)."""
+    from inference.download import run_download
+
+    code = run_download(args)
+    if code != 0 or args.lora_max_rank is None:
+        return code
+    from inference.download.common import IntegrityError
+    from inference.lora.peft import AdapterError, check_adapter_files
+
+    try:
+        check_adapter_files(args.dest, args.lora_max_rank)
+    except AdapterError as error:
+        logging.getLogger("inference.download").error("%s: %s", args.uri, error)
+        if args.result_file:
+            result = {"error": "InvalidAdapter", "message": f"{args.uri}: {error}"[:3000]}
+            Path(args.result_file).write_text(json.dumps(result, sort_keys=True))
+        return IntegrityError.exit_code
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from inference.bench.latency import add_latency_args, run_latency
     from inference.bench.serve import add_bench_serve_args, run_bench_serve
     from inference.bench.throughput import add_throughput_args, run_throughput
     from inference.config import add_engine_args
-    from inference.download import add_download_args, run_download
+    from inference.download import add_download_args
     from inference.server.cli_serve import add_serve_args, run_serve
 
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__,
@@ -68,9 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(max_model_len=2048)  # one short answer: a small KV cache starts fast
     chat.set_defaults(func=_chat)
 
-    add_download_args(
+    download = add_download_args(
         sub.add_parser("download", help="fetch model weights into a folder (resumable, verified)")
-    ).set_defaults(func=run_download)
+    )
+    download.add_argument(
+        "--lora-max-rank", type=int, default=None, metavar="RANK",
+        help="the folder is a LoRA adapter: check it is one the engine serves at this "
+        "--max-lora-rank (config and tensor names; exit 6 if not)",
+    )  # fmt: skip
+    download.set_defaults(func=_download)
 
     convert = sub.add_parser("convert-default-model", help="prepare the embedded model folder")
     convert.add_argument("--force", action="store_true")

@@ -231,3 +231,40 @@ def test_speculative_methods_and_refusals_are_the_engines() -> None:
         "method": "ngram", "numSpeculativeTokens": 4}}) == [
         "spec.engine.speculative: speculative decoding runs with tensorParallelSize 1 only"]
     assert errors({"speculative": {**draft, "draftModel": "/d", "promptLookupMax": 3}})
+
+
+def adapter_args(adapters: list[dict[str, Any]], lora: dict[str, Any]) -> list[str]:
+    llmd = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "adapters": adapters,
+                 "engine": {"lora": lora}},
+    }  # fmt: skip
+    (deployment,) = [o for o in desired_objects(llmd, service_monitor_api=False)
+                     if o["kind"] == "Deployment"]  # fmt: skip
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+
+
+@pytest.mark.parametrize(
+    ("lora", "expected"),
+    [({}, (2, 2, 16)), ({"maxLoras": 1, "maxLoraRank": 64, "maxCpuLoras": 4}, (1, 4, 64))],
+)
+def test_adapters_reach_the_server_as_lora_modules(
+    lora: dict[str, Any], expected: tuple[int, int, int]
+) -> None:
+    """spec.adapters and spec.engine.lora parse into the engine's LoRA settings."""
+    from pagoda_operator.adapters import ENGINE_DEFAULT_MAX_LORA_RANK, LORA_FLAGS
+
+    assert EngineConfig("m").max_lora_rank == ENGINE_DEFAULT_MAX_LORA_RANK
+
+    adapters = [{"name": "sql.v2_a-b", "uri": "hf://acme/sql"}, {"name": "x", "uri": "/opt/x"}]
+    namespace, resolved = parse_and_resolve(adapter_args(adapters, lora))
+    assert resolved.enable_lora
+    assert (resolved.max_loras, resolved.max_cpu_loras, resolved.max_lora_rank) == expected
+    assert [(m.name, m.path) for m in namespace.lora_modules][1] == ("x", "/opt/x")
+    assert namespace.lora_modules[0].name == "sql.v2_a-b"
+    assert namespace.lora_modules[0].path.startswith("/adapters/sql.v2_a-b-")
+    parser = add_serve_args(argparse.ArgumentParser())
+    known = {option for action in parser._actions for option in action.option_strings}
+    assert set(LORA_FLAGS) <= known

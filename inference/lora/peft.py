@@ -8,6 +8,7 @@ why, before any request runs with it: DoRA, adapters (or fully trained copies) o
 embedding or LM head, trained biases, per-module ranks, a rank above the maximum, modules
 this model does not have, and tensors whose shapes do not fit the base model.
 
+``check_adapter_files`` checks what needs no base model (config, tensor names);
 ``inspect_adapter`` checks a folder from its config and the safetensors header alone (no
 tensor is read, and no torch is imported: the server checks an adapter it is asked to load
 with it, and the engine each adapter a request names); ``load_adapter`` reads the tensors,
@@ -157,6 +158,21 @@ def _parse_key(key: str, folder: Path) -> tuple[int, str, str]:
         raise AdapterError(f"{folder}: {key}: module {module} is not supported (only "
                            f"{', '.join(SUPPORTED_MODULES)})")
     return int(layer), module, which
+
+
+def check_adapter_files(path: str | Path, max_rank: int) -> int:
+    """The adapter's rank, from what the folder alone says (no base model): its config and
+    the names of its tensors. AdapterError for what no base model could serve; the shapes
+    are checked against the model by ``inspect_adapter``. ``pagoda download --lora-max-rank``
+    runs this, so a bad adapter fails its download rather than every engine's start."""
+    folder = Path(path)
+    rank, _ = _check_config(_read_config(folder), folder, max_rank)
+    keys = list(_tensor_shapes(folder))
+    for key in keys:
+        _parse_key(key, folder)
+    if not keys:
+        raise AdapterError(f"{folder}: {WEIGHTS_FILE} holds no LoRA tensors")
+    return rank
 
 
 def inspect_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterInfo:

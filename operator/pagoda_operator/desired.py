@@ -15,15 +15,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator.adapters import (
+    ADAPTER_VOLUME,
+    ADAPTERS_FOLDER,
+    ADAPTERS_MOUNT_PATH,
+    downloaded_adapters,
+)
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
 from pagoda_operator.model_cache import (
     KERNEL_CACHE_FOLDER,
     cache_claim_body,
     cache_claim_name,
     cache_folder,
-    download_uri,
     loader_job_body,
     loader_job_name,
+    needs_cache,
 )
 from pagoda_operator.overrides import effective_spec
 from pagoda_operator.promql import engine_selector
@@ -130,7 +136,7 @@ def desired_objects(
     """
     spec = effective_spec(llmd)
     objects = []
-    if download_uri(spec):
+    if needs_cache(spec):
         objects += desired_model_cache(llmd, spec, default_image, replicas_ceiling(llmd))
     objects += [
         desired_deployment(llmd, spec, default_image, model_cached=model_cached),
@@ -402,6 +408,9 @@ def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
         # Writable as a volume: the weights' mount is read-only, the kernel cache's is not.
         claim = {"claimName": cache_claim_name(name)}
         result.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
+    elif downloaded_adapters(spec):
+        claim = {"claimName": cache_claim_name(name), "readOnly": True}
+        result.append({"name": ADAPTER_VOLUME, "persistentVolumeClaim": claim})
     return result
 
 
@@ -425,6 +434,11 @@ def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if kind == "download":
         mounts.append({"name": MODEL_VOLUME, "mountPath": c.KERNEL_CACHE_PATH,
                        "subPath": KERNEL_CACHE_FOLDER})  # fmt: skip
+    if downloaded_adapters(spec):
+        # The model's cache volume where the weights come from it too, else its own volume.
+        volume = MODEL_VOLUME if kind == "download" else ADAPTER_VOLUME
+        mounts.append({"name": volume, "mountPath": ADAPTERS_MOUNT_PATH,
+                       "subPath": ADAPTERS_FOLDER, "readOnly": True})  # fmt: skip
     return mounts
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagoda_operator.adapters import lora_args
 from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
 from pagoda_operator.spec import model_source
 
@@ -76,6 +77,7 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
         args += ["--quantization", engine["quantization"]]
     if engine.get("speculative") is not None:
         args += ["--speculative-config", speculative_config(engine["speculative"])]
+    args += lora_args(spec)
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     # In-flight requests finish within this after SIGTERM (the pod's preStop sleep comes first).

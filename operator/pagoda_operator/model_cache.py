@@ -32,6 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator.adapters import (
+    ADAPTER_NAME_ENV,
+    ADAPTERS_FOLDER,
+    adapter_folder,
+    downloaded_adapters,
+    max_lora_rank,
+)
 
 DOWNLOAD_SCHEMES = ("hf", "s3")
 CACHE_MOUNT_PATH = "/cache"
@@ -72,6 +79,12 @@ def download_uri(spec: dict[str, Any]) -> str | None:
     return uri if uri.split("://", 1)[0] in DOWNLOAD_SCHEMES else None
 
 
+def needs_cache(spec: dict[str, Any]) -> bool:
+    """Whether the loader Job and its cache volume exist: for the model's download source,
+    or for any hf:// or s3:// adapter (spec.adapters)."""
+    return bool(download_uri(spec) or downloaded_adapters(spec))
+
+
 def cache_folder(spec: dict[str, Any]) -> str:
     """The folder of the cache volume that holds this source: readable, unique per source."""
     source = (spec.get("model") or {}).get("source") or {}
@@ -108,18 +121,84 @@ def loader_job_body(
     pod_security: dict[str, Any],
     container_security: dict[str, Any],
 ) -> dict[str, Any]:
-    source = spec["model"]["source"]
+    source = (spec["model"].get("source") or {}) if download_uri(spec) else {}
     cache = spec["model"].get("cache") or {}
-    args = ["download", source["uri"], f"{CACHE_MOUNT_PATH}/{cache_folder(spec)}"]
-    args += ["--result-file", "/dev/termination-log"]
+    container = _loader_container(LOADER_CONTAINER, spec, image, container_security, source)
+    kernel_cache = f"{CACHE_MOUNT_PATH}/{KERNEL_CACHE_FOLDER}"
+    if source:
+        dest = f"{CACHE_MOUNT_PATH}/{cache_folder(spec)}"
+        # `sh -c` only to create the kernel cache first; the arguments pass through as "$@".
+        container["command"] = ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0" && exec pagoda "$@"']
+        container["args"] = [kernel_cache, *_download_args(source, dest)]
+    else:
+        # Adapters only: the Job's one container has nothing left to fetch.
+        container["command"] = ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0"']
+        container["args"] = [kernel_cache]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security,
+        "containers": [container],
+        "volumes": [
+            {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache_claim_name(name)}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    adapters = adapter_loader_containers(spec, image, container_security)
+    if adapters:
+        # One after the other, before the model's: init containers request the most any
+        # one of them does, not the sum, and each leaves its own termination message.
+        pod["initContainers"] = adapters
+    # The loader is the claim's first consumer: a ReadWriteOnce volume is provisioned in its
+    # zone, so it must land where the engines may run (else "volume node affinity conflict").
+    for field in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity"):
+        if spec.get(field):
+            pod[field] = spec[field]
+    exit_codes: dict[str, Any] = {"operator": "In", "values": list(PERMANENT_EXIT_CODES)}
+    if not adapters:
+        exit_codes = {"containerName": LOADER_CONTAINER, **exit_codes}
+    return _loader_job(name, cache, pod, exit_codes)
+
+
+def _download_args(source: dict[str, Any], dest: str) -> list[str]:
+    args = ["download", source["uri"], dest, "--result-file", "/dev/termination-log"]
     if source.get("endpoint"):
         args += ["--endpoint-url", source["endpoint"]]
+    return args
+
+
+def adapter_loader_containers(
+    spec: dict[str, Any], image: str, container_security: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One ``pagoda download --lora-max-rank R`` per hf:// or s3:// adapter, into
+    ``adapters/<folder>``."""
+    containers = []
+    for index, adapter in enumerate(downloaded_adapters(spec)):
+        container = _loader_container(
+            f"adapter-{index}", spec, image, container_security, adapter
+        )
+        dest = f"{CACHE_MOUNT_PATH}/{ADAPTERS_FOLDER}/{adapter_folder(adapter)}"
+        container["command"] = ["pagoda"]
+        # The folder must be an adapter the engines serve (exit 6 otherwise, InvalidAdapter):
+        # a bad one fails here, before any engine rolls, not in each engine's start.
+        container["args"] = [*_download_args(adapter, dest),
+                             "--lora-max-rank", str(max_lora_rank(spec))]  # fmt: skip
+        container["env"].append({"name": ADAPTER_NAME_ENV, "value": adapter["name"]})
+        containers.append(container)
+    return containers
+
+
+def _loader_container(
+    container_name: str,
+    spec: dict[str, Any],
+    image: str,
+    container_security: dict[str, Any],
+    source: dict[str, Any],
+) -> dict[str, Any]:
+    """A loader container without its command: image, environment, mounts, credentials."""
     container: dict[str, Any] = {
-        "name": LOADER_CONTAINER,
+        "name": container_name,
         "image": image,
-        # `sh -c` only to create the kernel cache first; the arguments pass through as "$@".
-        "command": ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0" && exec pagoda "$@"'],
-        "args": [f"{CACHE_MOUNT_PATH}/{KERNEL_CACHE_FOLDER}", *args],
         "env": [
             {"name": "PYTHONUNBUFFERED", "value": "1"},
             {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
@@ -141,21 +220,12 @@ def loader_job_body(
         container["envFrom"] = [{"secretRef": {"name": source["credentialsSecret"]["name"]}}]
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
-    pod: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "securityContext": pod_security,
-        "containers": [container],
-        "volumes": [
-            {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache_claim_name(name)}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
-    }
-    # The loader is the claim's first consumer: a ReadWriteOnce volume is provisioned in its
-    # zone, so it must land where the engines may run (else "volume node affinity conflict").
-    for field in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity"):
-        if spec.get(field):
-            pod[field] = spec[field]
+    return container
+
+
+def _loader_job(
+    name: str, cache: dict[str, Any], pod: dict[str, Any], exit_codes: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "spec": {
             "backoffLimit": LOADER_BACKOFF_LIMIT,
@@ -166,11 +236,8 @@ def loader_job_body(
                 "rules": [
                     {
                         "action": "FailJob",
-                        "onExitCodes": {
-                            "containerName": LOADER_CONTAINER,
-                            "operator": "In",
-                            "values": list(PERMANENT_EXIT_CODES),
-                        },
+                        # With adapters, no containerName: any container, init ones too.
+                        "onExitCodes": exit_codes,
                     },
                     # A node drained or a pod preempted is not the loader's failure.
                     {
@@ -209,8 +276,10 @@ class CacheState:
     num_bytes: int | None = None
     num_files: int | None = None
 
-    def status(self, spec: dict[str, Any], name: str) -> dict[str, Any]:
-        """``status.modelCache``."""
+    def status(self, spec: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """``status.modelCache``; None when only adapters are downloaded."""
+        if not download_uri(spec):
+            return None
         result: dict[str, Any] = {
             "uri": spec["model"]["source"]["uri"],
             "claimName": cache_claim_name(name),
@@ -235,56 +304,99 @@ def cache_state(
     conditions = {
         cond.get("type"): cond for cond in (job.get("status") or {}).get("conditions") or []
     }
+    adapters = _adapter_names(job)
     if _is_true(conditions.get("Complete")) or int((job.get("status") or {}).get("succeeded") or 0):
         result = _termination_result(pods, succeeded=True) or {}
+        message = f"{result.get('bytes', '?')} bytes at revision {result.get('revision') or '-'}"
+        if adapters:
+            model = message if _downloads_model(job) else None
+            message = "; ".join(filter(None, [model, f"{len(adapters)} adapter(s) cached"]))
         return CacheState(
             True,
             False,
             "Cached",
-            f"{result.get('bytes', '?')} bytes at revision {result.get('revision') or '-'}",
+            message,
             revision=result.get("revision"),
             num_bytes=result.get("bytes"),
             num_files=result.get("files"),
         )
     if _is_true(conditions.get("Failed")):
-        result = _termination_result(pods, succeeded=False) or {}
+        result = _termination_result(pods, succeeded=False, adapters=adapters) or {}
         failed = conditions["Failed"]
         reason = str(result.get("error") or failed.get("reason") or "LoaderFailed")
         message = str(result.get("message") or failed.get("message") or "the model loader failed")
         return CacheState(False, True, reason, message)
     for pod in pods:
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        for status in _container_statuses(pod):
             waiting = (status.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in BLOCKING_WAIT_REASONS:
-                return CacheState(
-                    False, False, waiting["reason"], waiting.get("message") or waiting["reason"]
-                )
+                message = _naming(adapters, status, waiting.get("message") or waiting["reason"])
+                return CacheState(False, False, waiting["reason"], message)
     failures = int((job.get("status") or {}).get("failed") or 0)
-    last = _termination_result(pods, succeeded=False) or {}
+    last = _termination_result(pods, succeeded=False, adapters=adapters) or {}
     message = "Downloading the model"
     if failures:
         message += f" (attempt {failures + 1}; last: {last.get('message') or 'failed'})"
     return CacheState(False, False, "Downloading", message)
 
 
-def _termination_result(pods: list[dict[str, Any]], *, succeeded: bool) -> dict[str, Any] | None:
-    """The JSON the downloader left in the newest matching pod's termination message."""
+def _termination_result(
+    pods: list[dict[str, Any]], *, succeeded: bool, adapters: dict[str, str] | None = None
+) -> dict[str, Any] | None:
+    """The JSON the downloader left in the newest matching pod's termination message: the
+    model's on success; on failure the failed container's, its message naming the adapter."""
     wanted = "Succeeded" if succeeded else "Failed"
     candidates = [pod for pod in pods if (pod.get("status") or {}).get("phase") == wanted]
     candidates.sort(key=lambda pod: (pod.get("metadata") or {}).get("creationTimestamp") or "")
     for pod in reversed(candidates):
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if not succeeded:
+            statuses = [s for s in _container_statuses(pod) if _exit_code(s) != 0]
+        for status in statuses:
             terminated = (status.get("state") or {}).get("terminated") or {}
             text = terminated.get("message") or ""
             try:
                 result = json.loads(text)
             except ValueError:
                 if text:
-                    return {"error": "LoaderFailed", "message": text.strip()[-500:]}
+                    message = _naming(adapters or {}, status, text.strip()[-500:])
+                    return {"error": "LoaderFailed", "message": message}
                 continue
             if isinstance(result, dict):
+                if result.get("message") is not None:
+                    result["message"] = _naming(adapters or {}, status, str(result["message"]))
                 return result
     return None
+
+
+def _container_statuses(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    status = pod.get("status") or {}
+    return [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+
+
+def _exit_code(status: dict[str, Any]) -> int | None:
+    return ((status.get("state") or {}).get("terminated") or {}).get("exitCode")
+
+
+def _adapter_names(job: dict[str, Any]) -> dict[str, str]:
+    """Loader container name -> the adapter it downloads (from the Job's template)."""
+    pod = (((job.get("spec") or {}).get("template") or {}).get("spec")) or {}
+    names = {}
+    for container in pod.get("initContainers") or []:
+        for env in container.get("env") or []:
+            if env.get("name") == ADAPTER_NAME_ENV:
+                names[container.get("name")] = str(env.get("value"))
+    return names
+
+
+def _downloads_model(job: dict[str, Any]) -> bool:
+    pod = (((job.get("spec") or {}).get("template") or {}).get("spec")) or {}
+    return any("download" in (container.get("args") or []) for container in pod.get("containers") or [])
+
+
+def _naming(adapters: dict[str, str], status: dict[str, Any], message: str) -> str:
+    adapter = adapters.get(status.get("name") or "")
+    return f"adapter {adapter}: {message}" if adapter else message
 
 
 def _is_true(cond: dict[str, Any] | None) -> bool:

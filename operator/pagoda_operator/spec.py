@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pagoda_operator.adapters import LORA_FLAGS, adapter_errors
 from pagoda_operator.constants import GPU_RESOURCE
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
@@ -154,6 +155,11 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     errors += _tuning_errors(spec)
     errors += _resource_errors(spec)
     errors += _rollout_errors(spec)
+    model = spec.get("model") or {}
+    errors += adapter_errors(spec, model.get("servedModelName") or model.get("name"))
+    if spec.get("adapters"):
+        errors += _extra_args_errors((spec.get("engine") or {}).get("extraArgs") or [],
+                                     LORA_FLAGS, "spec.adapters and spec.engine.lora")
     return errors
 
 
@@ -178,7 +184,8 @@ def _rollout_errors(spec: dict[str, Any]) -> list[str]:
             f"drainSeconds ({grace} < {pre_stop} + {drain}); the pod would be killed mid-drain"
         )
     for volume in spec.get("volumes") or []:
-        if (volume or {}).get("name") in ("model", "dshm", "engine-cache", "engine-tmp"):
+        if (volume or {}).get("name") in ("model", "dshm", "engine-cache", "engine-tmp",
+                                          "adapter-cache"):
             errors.append(f"spec.volumes: the name {volume['name']} is the operator's")
     budget = spec.get("disruptionBudget") or {}
     if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:
@@ -321,14 +328,16 @@ def _draft_model_errors(where: str, draft: Any) -> list[str]:
     return []
 
 
-def _extra_args_errors(extra_args: list[Any]) -> list[str]:
+def _extra_args_errors(
+    extra_args: list[Any], flags: tuple[str, ...] = MANAGED_FLAGS, fields: str = "a typed field"
+) -> list[str]:
     errors = []
     for arg in extra_args:
         flag = str(arg).split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
+        if flag in flags:
             errors.append(
-                f"spec.engine.extraArgs: {flag} is set by the operator from a typed field; "
-                "use that field instead"
+                f"spec.engine.extraArgs: {flag} is set by the operator from {fields}; "
+                "use that instead"
             )
     return errors
 

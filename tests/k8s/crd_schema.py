@@ -95,6 +95,30 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
     return errors
 
 
+def list_type_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Duplicates in ``x-kubernetes-list-type: map`` (by the list-map keys) and ``set`` lists,
+    refused with "Duplicate value" as the API server's listtype validation does
+    (apiextensions-apiserver, pkg/apiserver/schema/listtype/validation.go)."""
+    errors = []
+    if isinstance(value, dict):
+        for key, sub_schema in (schema.get("properties") or {}).items():
+            if key in value:
+                where = f"{path}.{key}" if path else key
+                errors += list_type_errors(sub_schema, value[key], where)
+    elif isinstance(value, list):
+        list_type = schema.get("x-kubernetes-list-type")
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+        seen: list[Any] = []
+        for index, item in enumerate(value):
+            identity = [item.get(k) for k in keys] if list_type == "map" else item
+            if list_type in ("map", "set") and identity in seen:
+                errors.append(f"{path}[{index}]: Duplicate value: {identity}")
+            seen.append(identity)
+            if isinstance(schema.get("items"), dict):
+                errors += list_type_errors(schema["items"], item, f"{path}[{index}]")
+    return errors
+
+
 def validation_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     """Every reason the API server would refuse ``obj``; empty when it would accept it."""
     schema = version_schema(crd)
@@ -104,6 +128,7 @@ def validation_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
         f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
         for error in validator.iter_errors(defaulted)
     ]
+    errors += list_type_errors(schema, defaulted)
     if errors:
         return errors  # CEL runs only on objects that pass the structural schema
     return cel_errors(schema, defaulted)
