@@ -1,21 +1,22 @@
-"""The objects an LLMDeployment should own, as plain dicts: LLMDeployment in, manifests out.
-
-Each desired object carries the hash of its own content in an annotation, so the reconciler
-can tell "already as desired" from "needs an update" by comparing one string.
-"""
+"""The objects an LLMDeployment should own, as plain dicts: LLMDeployment in, manifests out
+(each with its config hash: see ``metadata``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator import gateway as gw
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.metadata import (
+    common_labels,
+    finish,
+    selector_labels,
+)
 from pagoda_operator.model_cache import (
     KERNEL_CACHE_FOLDER,
     cache_claim_body,
@@ -51,69 +52,6 @@ class MonitorSettings:
 DEFAULT_MONITOR = MonitorSettings()
 
 
-def selector_labels(name: str) -> dict[str, str]:
-    return {c.LABEL_NAME: c.ENGINE_APP_NAME, c.LABEL_OWNER: name}
-
-
-def selector_string(name: str) -> str:
-    """The pod selector in the string form the scale subresource reports."""
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
-
-
-def common_labels(name: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        c.LABEL_INSTANCE: name,
-        c.LABEL_COMPONENT: "inference",
-        c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
-    }
-
-
-def owner_reference(llmd: dict[str, Any]) -> dict[str, Any]:
-    """Makes the garbage collector delete the object together with its LLMDeployment."""
-    meta = llmd["metadata"]
-    return {
-        "apiVersion": c.API_VERSION,
-        "kind": c.KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def config_hash(obj: dict[str, Any]) -> str:
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def _finish(
-    llmd: dict[str, Any],
-    api_version: str,
-    kind: str,
-    body: dict[str, Any],
-    object_name: str = "",
-    annotations: dict[str, str] | None = None,
-    labels: dict[str, str] | None = None,
-) -> dict:
-    """Wraps a spec-level body into a complete object with metadata and its config hash."""
-    name = llmd["metadata"]["name"]
-    obj = {
-        "apiVersion": api_version,
-        "kind": kind,
-        "metadata": {
-            "name": object_name or name,
-            "namespace": llmd["metadata"]["namespace"],
-            "labels": labels or common_labels(name),
-            "annotations": dict(annotations or {}),
-            "ownerReferences": [owner_reference(llmd)],
-        },
-        **body,
-    }
-    obj["metadata"]["annotations"][c.ANNOTATION_CONFIG_HASH] = config_hash(obj)
-    return obj
-
-
 def desired_objects(
     llmd: dict[str, Any],
     *,
@@ -121,6 +59,7 @@ def desired_objects(
     default_image: str = c.DEFAULT_ENGINE_IMAGE,
     model_cached: bool = True,
     monitor: MonitorSettings = DEFAULT_MONITOR,
+    picker_image: str = c.DEFAULT_PICKER_IMAGE,
 ) -> list[dict[str, Any]]:
     """Everything this LLMDeployment should own right now, in the order to apply it: its
     spec with the tuner's overrides in force (see ``overrides``).
@@ -148,7 +87,39 @@ def desired_objects(
             objects.append(desired_autoscaler(llmd, spec))
     if service_monitor_api:
         objects.append(desired_service_monitor(llmd, monitor))
+    gateway = gw.gateway_spec(spec)
+    if gateway is not None:
+        objects += desired_gateway(llmd, gateway, picker_image)
     return objects
+
+
+def desired_gateway(
+    llmd: dict[str, Any], gateway: dict[str, Any], picker_image: str
+) -> list[dict[str, Any]]:
+    """The InferencePool and its endpoint picker (see ``gateway``): the picker's RBAC and
+    configuration before the Deployment that needs them."""
+    name, namespace = llmd["metadata"]["name"], llmd["metadata"]["namespace"]
+    picker = gw.picker_name(name)
+    labels = {**common_labels(name), **gw.picker_selector(name), c.LABEL_COMPONENT: "router"}
+    rbac = "rbac.authorization.k8s.io/v1"
+
+    def picker_object(api_version: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        return finish(llmd, api_version, kind, body, picker, labels=labels)
+
+    return [
+        picker_object("v1", "ServiceAccount", {"automountServiceAccountToken": True}),
+        picker_object(rbac, "Role", gw.picker_role_body()),
+        picker_object(rbac, "RoleBinding", gw.picker_role_binding_body(name, namespace)),
+        picker_object("v1", "ConfigMap", gw.picker_config_body()),
+        picker_object(
+            "apps/v1",
+            "Deployment",
+            gw.picker_deployment_body(name, namespace, gateway, picker_image, labels),
+        ),
+        picker_object("v1", "Service", gw.picker_service_body(name)),
+        finish(llmd, gw.POOL_API_VERSION, "InferencePool",
+               gw.pool_body(name, selector_labels(name), gateway)),
+    ]  # fmt: skip
 
 
 def effective_replicas(spec: dict[str, Any]) -> int:
@@ -209,8 +180,8 @@ def desired_model_cache(
         container_security_context(),
     )
     return [
-        _finish(llmd, "v1", "PersistentVolumeClaim", claim, cache_claim_name(name)),
-        _finish(llmd, "batch/v1", "Job", job, loader_job_name(name)),
+        finish(llmd, "v1", "PersistentVolumeClaim", claim, cache_claim_name(name)),
+        finish(llmd, "batch/v1", "Job", job, loader_job_name(name)),
     ]
 
 
@@ -239,7 +210,7 @@ def desired_deployment(
             },
         }
     }
-    return _finish(llmd, "apps/v1", "Deployment", body)
+    return finish(llmd, "apps/v1", "Deployment", body)
 
 
 def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
@@ -444,7 +415,7 @@ def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
             ],
         }
     }
-    return _finish(llmd, "v1", "Service", body, annotations=spec["service"].get("annotations"))
+    return finish(llmd, "v1", "Service", body, annotations=spec["service"].get("annotations"))
 
 
 def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:
@@ -462,7 +433,7 @@ def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:
 def desired_pod_disruption_budget(llmd: dict[str, Any], budget: dict[str, int]) -> dict[str, Any]:
     name = llmd["metadata"]["name"]
     body = {"spec": {**budget, "selector": {"matchLabels": selector_labels(name)}}}
-    return _finish(llmd, "policy/v1", "PodDisruptionBudget", body)
+    return finish(llmd, "policy/v1", "PodDisruptionBudget", body)
 
 
 def desired_service_monitor(
@@ -492,7 +463,7 @@ def desired_service_monitor(
     # LLMDeployment's own); ours win a clash (the selector's).
     own = ((llmd.get("spec") or {}).get("monitoring") or {}).get("serviceMonitorLabels") or {}
     labels = {**monitor.labels, **own, **common_labels(name)}
-    return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
+    return finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
 
 
 def _pod_label_meta(label: str) -> str:
@@ -523,7 +494,7 @@ def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, 
             "metrics": metrics,
         }
     }
-    return _finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
+    return finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
 
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -587,7 +558,7 @@ def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[st
             "triggers": triggers,
         }
     }
-    return _finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
+    return finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
 
 
 def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -597,7 +568,7 @@ def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -
         {"parameter": parameters[field], "name": ref["name"], "key": ref["key"]}
         for field, ref in prometheus_auth(spec).items()
     ]
-    return _finish(
+    return finish(
         llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}}
     )
 

@@ -75,8 +75,8 @@ def rendered_deployment(sample: dict[str, Any]) -> dict[str, Any]:
     (deployment,) = [
         obj
         for obj in desired_objects(sample, service_monitor_api=False)
-        if obj["kind"] == "Deployment"
-    ]
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"] == sample["metadata"]["name"]
+    ]  # the engines' (a gateway sample also has its endpoint picker's)
     return deployment
 
 
