@@ -1,0 +1,136 @@
+"""The engines behind the router: which models each serves, its load, whether it answers.
+
+Backends come from ``--backend [MODEL=]URL`` flags. With a model named, the engine serves it;
+without, its ``GET /v1/models`` says (adapters included), re-read at every scrape. Every
+``scrape_interval_s`` the router reads each engine's ``/metrics`` for the vLLM gauges the
+least-load fallback ranks by; an engine that does not answer is left out of picking until
+it does (unless no engine answers: then every one is tried, and the retries tell).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from inference.router.picking import EngineLoad, Ring
+
+logger = logging.getLogger(__name__)
+
+# vLLM's gauge names (pagoda's server keeps them: tests/k8s/test_gateway_protocol.py).
+GAUGES = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+@dataclass
+class Backend:
+    url: str
+    models: set[str] = field(default_factory=set)
+    discover_models: bool = False  # models from GET /v1/models rather than the flag
+    in_flight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_cache_usage: float = 0.0
+    healthy: bool = True
+    last_error: str = ""
+    scraped_at: float = 0.0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.in_flight, self.waiting, self.running, self.kv_cache_usage)
+
+
+def parse_backend(flag: str) -> tuple[str | None, str]:
+    """``MODEL=URL`` or ``URL`` -> (model or None, URL without a trailing slash)."""
+    model, sep, url = flag.partition("=")
+    if not sep:
+        model, url = "", flag
+    if "://" in model:  # `http://host:8000/x?y=z` has no model; its `=` is the URL's
+        model, url = "", flag
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--backend {flag!r}: the URL must start with http:// or https://")
+    return (model.strip() or None), url
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The gauges of ``GAUGES`` from Prometheus text, summed over their label sets."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in GAUGES:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        values[GAUGES[name]] = values.get(GAUGES[name], 0.0) + value
+    return values
+
+
+class BackendPool:
+    """Every backend by URL; rings per model set, rebuilt when the set changes."""
+
+    def __init__(self, flags: list[str]) -> None:
+        self.backends: dict[str, Backend] = {}
+        for flag in flags:
+            model, url = parse_backend(flag)
+            backend = self.backends.setdefault(url, Backend(url))
+            if model is None:
+                backend.discover_models = True
+            else:
+                backend.models.add(model)
+        self._rings: dict[tuple[str, ...], Ring] = {}
+
+    def models(self) -> list[str]:
+        return sorted({m for b in self.backends.values() for m in b.models})
+
+    def serving(self, model: str | None) -> list[Backend]:
+        """The backends serving ``model`` (any, when the request names none and one model
+        is served), healthy ones only unless none is."""
+        if model is None:
+            served = self.models()
+            model = served[0] if len(served) == 1 else None
+        found = [b for b in self.backends.values() if model is not None and model in b.models]
+        healthy = [b for b in found if b.healthy]
+        return healthy or found
+
+    def ring(self, backends: list[Backend]) -> Ring:
+        key = tuple(sorted(b.url for b in backends))
+        if key not in self._rings:
+            self._rings[key] = Ring.of(key)
+        return self._rings[key]
+
+    async def scrape_once(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self._scrape(client, b) for b in self.backends.values()))
+
+    async def _scrape(self, client: httpx.AsyncClient, backend: Backend) -> None:
+        try:
+            response = await client.get(f"{backend.url}/metrics")
+            response.raise_for_status()
+            for attribute, value in parse_metrics(response.text).items():
+                setattr(backend, attribute, value)
+            if backend.discover_models:
+                listed = await client.get(f"{backend.url}/v1/models")
+                listed.raise_for_status()
+                backend.models = {card["id"] for card in listed.json().get("data") or []}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            if backend.healthy:
+                logger.warning("backend %s left out: %s", backend.url, error)
+            backend.healthy, backend.last_error = False, str(error) or type(error).__name__
+            return
+        if not backend.healthy:
+            logger.info("backend %s answers again", backend.url)
+        backend.healthy, backend.last_error, backend.scraped_at = True, "", time.monotonic()
+
+    async def scrape_forever(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        while True:
+            await self.scrape_once(client)
+            await asyncio.sleep(interval_s)

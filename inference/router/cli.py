@@ -1,0 +1,69 @@
+"""``pagoda router --backend [MODEL=]URL ...``: the router's command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from inference.router.backends import BackendPool
+from inference.router.proxy import RouterSettings, build_router_app
+
+API_KEY_ENV = "PAGODA_API_KEY"  # as for `pagoda serve`: a key kept out of the process list
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--backend", action="append", default=[], metavar="[MODEL=]URL", required=True,
+        help="an engine: MODEL=http://host:8000 serves MODEL; a bare URL says what it serves "
+        "through its /v1/models (re-read every scrape). Repeat for each engine.",
+    )  # fmt: skip
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--policy", choices=["prefix", "least-load", "round-robin"], default="prefix",
+        help="prefix: a conversation stays on one engine (consistent hashing with bounded "
+        "load), least-load for requests without a prefix; least-load: by in-flight requests "
+        "and the engines' queue and KV-cache gauges; round-robin: for comparison",
+    )  # fmt: skip
+    parser.add_argument(
+        "--balance", type=float, default=1.25,
+        help="bounded-load factor (> 1): an engine takes a conversation's turn while it "
+        "carries at most this many times its share of the requests in flight",
+    )  # fmt: skip
+    parser.add_argument("--prefix-chars", type=int, default=2048,
+                        help="characters of the opening turn that make a conversation's key")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="engines tried for a request that none started")
+    parser.add_argument("--scrape-interval", type=float, default=2.0,
+                        help="seconds between reads of every engine's /metrics")
+    parser.add_argument("--api-key", default=None,
+                        help=f"clients must send it as a Bearer token (or set {API_KEY_ENV})")
+    parser.add_argument("--backend-api-key", default=None,
+                        help="sent to the engines instead of the client's Authorization")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> RouterSettings:
+    if args.balance <= 1.0:
+        raise ValueError(f"--balance must be > 1 (got {args.balance})")
+    if args.max_attempts < 1:
+        raise ValueError(f"--max-attempts must be >= 1 (got {args.max_attempts})")
+    return RouterSettings(
+        policy=args.policy,
+        balance=args.balance,
+        prefix_chars=args.prefix_chars,
+        max_attempts=args.max_attempts,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        backend_api_key=args.backend_api_key,
+        scrape_interval_s=args.scrape_interval,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_router_app(BackendPool(args.backend), settings_from(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
