@@ -1,7 +1,9 @@
 """The engines behind the router: which models each serves, its load, whether it answers.
 
-Backends come from ``--backend [MODEL=]URL`` flags. With a model named, the engine serves it;
-without, its ``GET /v1/models`` says (adapters included), re-read at every scrape. Every
+Backends come from ``--backend [MODEL=]URL`` flags, and from Kubernetes (``kubernetes``:
+the ready endpoints of the LLMDeployments' Services, re-read at every scrape). With a model
+named, the engine serves it; without, its ``GET /v1/models`` says (adapters included),
+re-read at every scrape. Every
 ``scrape_interval_s`` the router reads each engine's ``/metrics`` for the vLLM gauges the
 least-load fallback ranks by; an engine that does not answer is left out of picking until
 it does (unless no engine answers: then every one is tried, and the retries tell).
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from inference.router.kubernetes import KubeSource, engine_urls
 from inference.router.picking import EngineLoad, Ring
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ class Backend:
     url: str
     models: set[str] = field(default_factory=set)
     discover_models: bool = False  # models from GET /v1/models rather than the flag
+    discovered: bool = False  # found in Kubernetes (and dropped once its endpoint goes)
     in_flight: int = 0
     waiting: float = 0.0
     running: float = 0.0
@@ -78,7 +82,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 class BackendPool:
     """Every backend by URL; rings per model set, rebuilt when the set changes."""
 
-    def __init__(self, flags: list[str]) -> None:
+    def __init__(self, flags: list[str], kube: KubeSource | None = None) -> None:
+        self.kube = kube
         self.backends: dict[str, Backend] = {}
         for flag in flags:
             model, url = parse_backend(flag)
@@ -108,8 +113,23 @@ class BackendPool:
             self._rings[key] = Ring.of(key)
         return self._rings[key]
 
+    def sync_discovered(self, urls: set[str]) -> None:
+        """Backends found in Kubernetes become ``urls``; flagged ones stay as they are."""
+        for url in urls:
+            if url not in self.backends:
+                self.backends[url] = Backend(url, discover_models=True, discovered=True)
+        for url in [u for u, b in self.backends.items() if b.discovered and u not in urls]:
+            if self.backends[url].in_flight == 0:  # requests in flight finish on it first
+                del self.backends[url]
+
     async def scrape_once(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self._scrape(client, b) for b in self.backends.values()))
+        if self.kube is not None:
+            try:
+                async with self.kube.client() as kube:
+                    self.sync_discovered(await engine_urls(kube, self.kube))
+            except (httpx.HTTPError, ValueError, OSError) as error:
+                logger.warning("reading EndpointSlices in %s failed: %s", self.kube.namespace, error)
+        await asyncio.gather(*(self._scrape(client, b) for b in list(self.backends.values())))
 
     async def _scrape(self, client: httpx.AsyncClient, backend: Backend) -> None:
         try:

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from inference.router.backends import BackendPool
+from inference.router.kubernetes import ENGINE_SELECTOR, KubeSource
 from inference.router.proxy import RouterSettings, build_router_app
 
 API_KEY_ENV = "PAGODA_API_KEY"  # as for `pagoda serve`: a key kept out of the process list
@@ -13,10 +14,19 @@ API_KEY_ENV = "PAGODA_API_KEY"  # as for `pagoda serve`: a key kept out of the p
 
 def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
-        "--backend", action="append", default=[], metavar="[MODEL=]URL", required=True,
+        "--backend", action="append", default=[], metavar="[MODEL=]URL",
         help="an engine: MODEL=http://host:8000 serves MODEL; a bare URL says what it serves "
         "through its /v1/models (re-read every scrape). Repeat for each engine.",
     )  # fmt: skip
+    parser.add_argument(
+        "--discover-namespace", default=None, metavar="NAMESPACE",
+        help="also route to every ready engine of the LLMDeployments in NAMESPACE (their "
+        "Services' EndpointSlices, read with the pod's service account)",
+    )  # fmt: skip
+    parser.add_argument("--discover-selector", default=ENGINE_SELECTOR,
+                        help="label selector of the engines' EndpointSlices")
+    parser.add_argument("--kube-api", default=None,
+                        help="the Kubernetes API's URL, outside a pod (no credentials sent)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
@@ -61,9 +71,22 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     )
 
 
+def backend_pool(args: argparse.Namespace) -> BackendPool:
+    if not args.backend and not args.discover_namespace:
+        raise ValueError("name the engines: --backend [MODEL=]URL, or --discover-namespace")
+    kube = None
+    if args.discover_namespace:
+        kube = KubeSource(args.discover_namespace, args.discover_selector, args.kube_api)
+    return BackendPool(args.backend, kube)
+
+
 def run_router(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
-    app = build_router_app(BackendPool(args.backend), settings_from(args))
+    # One line per proxied request would drown the router's own warnings.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_router_app(backend_pool(args), settings_from(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -212,3 +212,43 @@ def test_a_bare_backend_url_says_what_it_serves() -> None:
             assert served == {MODEL, "tiny-lora"}
             body = {"model": "tiny-lora", "messages": [{"role": "user", "content": "x"}]}
             assert client.post("/v1/chat/completions", json=body).json()["engine"] == "e0"
+
+
+def endpoint_slice(url: str, ready: bool) -> dict[str, Any]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return {
+        "metadata": {"labels": {"app.kubernetes.io/name": "pagoda-engine"}},
+        "ports": [{"name": "http", "port": int(port), "protocol": "TCP"}],
+        "endpoints": [{"addresses": [host], "conditions": {"ready": ready}}],
+    }
+
+
+def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
+    """The router follows the LLMDeployments' EndpointSlices: a ready engine is routed to,
+    one that stops being ready is dropped."""
+    from fastapi import FastAPI
+
+    from inference.router.kubernetes import KubeSource
+
+    fake = FakeEngine("e0")
+    slices: dict[str, Any] = {"ready": True}
+    asked: list[str] = []
+    api = FastAPI()
+
+    with serve_engine(fake) as engine:
+
+        @api.get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices")
+        async def list_slices(namespace: str, labelSelector: str = "") -> dict[str, Any]:  # noqa: N803
+            asked.append(f"{namespace}?{labelSelector}")
+            return {"items": [endpoint_slice(engine.url, slices["ready"])]}
+
+        with Served(api) as kube:
+            source = KubeSource("llm", api_url=kube.url)
+            app = build_router_app(BackendPool([], source), RouterSettings(scrape_interval_s=0.2))
+            with Served(app) as router, httpx.Client(base_url=router.url) as client:
+                assert asked[0] == "llm?app.kubernetes.io/name=pagoda-engine"
+                assert chat(client, 0, 0).json()["engine"] == "e0"
+                slices["ready"] = False
+                wait_until(lambda: client.get("/v1/models").json()["data"] == [],
+                           what="the engine dropped")  # fmt: skip
+                assert chat(client, 0, 0).status_code == 404  # no engine serves the model now
