@@ -16,7 +16,7 @@ from .crd_schema import apply_defaults, validation_errors, version_schema
 KUBERNETES_VERSIONS = ("1.31", kubernetes_validate.utils.latest_version())
 INVALID_SAMPLES = sorted((Path(__file__).parent / "data" / "invalid").glob("*.yaml"))
 SAMPLES = sorted((MANIFESTS / "samples").glob("*.yaml"))
-PLAIN_MANIFESTS = sorted(MANIFESTS.glob("*.yaml"))
+PLAIN_MANIFESTS = sorted(MANIFESTS.glob("*.yaml")) + [MANIFESTS / "router" / "router.yaml"]
 
 
 def validate_for_kubernetes(document: dict[str, Any], version: str) -> None:

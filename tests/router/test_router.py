@@ -252,3 +252,27 @@ def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
                 wait_until(lambda: client.get("/v1/models").json()["data"] == [],
                            what="the engine dropped")  # fmt: skip
                 assert chat(client, 0, 0).status_code == 404  # no engine serves the model now
+
+
+def test_the_router_manifest_runs_what_the_cli_accepts() -> None:
+    """manifests/router/router.yaml's arguments parse, and its Role grants what
+    --discover-namespace reads (the manifest's Kubernetes schema: tests/k8s/test_manifests.py)."""
+    import argparse
+    from pathlib import Path
+
+    import yaml
+
+    from inference.router.cli import add_router_args
+
+    path = Path(__file__).resolve().parents[2] / "manifests" / "router" / "router.yaml"
+    documents = {d["kind"]: d for d in yaml.safe_load_all(path.read_text())}
+    (container,) = documents["Deployment"]["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(POD_NAMESPACE)", "llm") for a in container["args"]]
+    assert args[0] == "router"
+    parsed = add_router_args(argparse.ArgumentParser()).parse_args(args[1:])
+    assert parsed.discover_namespace == "llm"
+    assert str(parsed.port) == str(container["ports"][0]["containerPort"])
+    (rule,) = documents["Role"]["rules"]
+    assert (rule["apiGroups"], rule["resources"], rule["verbs"]) == (
+        ["discovery.k8s.io"], ["endpointslices"], ["list"],
+    )  # fmt: skip
