@@ -94,7 +94,7 @@ async def conversation(client, model, run, index, turns, words, max_tokens, ttft
                      {"role": "user", "content": f"And item {turn + 4}?"}]  # fmt: skip
 
 
-async def run_policy(args, policy: str, engines: list[str], port: int) -> dict:
+async def run_policy(args, policy: str, engines: list[str], port: int, repeat: int) -> dict:
     log = Path(args.logs) / f"router-{policy}.log"
     backends = [arg for url in engines for arg in ("--backend", url)]
     router = spawn(["router", *backends, "--port", str(port), "--policy", policy], log)
@@ -109,7 +109,7 @@ async def run_policy(args, policy: str, engines: list[str], port: int) -> dict:
 
             async def limited(index: int) -> None:
                 async with limit:
-                    await conversation(client, model, policy, index, args.turns, args.words,
+                    await conversation(client, model, f"{policy}-{repeat}", index, args.turns, args.words,
                                        args.max_tokens, ttfts)  # fmt: skip
 
             started = time.perf_counter()
@@ -148,7 +148,7 @@ async def main_async(args) -> list[dict]:
         results = []
         for repeat in range(args.repeats):
             for policy in args.policies.split(","):
-                result = await run_policy(args, policy, engines, ports[-1])
+                result = await run_policy(args, policy, engines, ports[-1], repeat)
                 result["repeat"] = repeat
                 print(json.dumps(result), flush=True)
                 results.append(result)

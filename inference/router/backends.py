@@ -93,9 +93,18 @@ class BackendPool:
             else:
                 backend.models.add(model)
         self._rings: dict[tuple[str, ...], Ring] = {}
+        # Every model ever served here: one whose engines all went (scaled to zero) is still
+        # known, so its requests are held for a cold start rather than refused as unknown.
+        self.known: set[str] = set()
 
     def models(self) -> list[str]:
-        return sorted({m for b in self.backends.values() for m in b.models})
+        served = {m for b in self.backends.values() for m in b.models}
+        self.known |= served
+        return sorted(served)
+
+    def is_known(self, model: str | None) -> bool:
+        self.models()
+        return model is not None and model in self.known
 
     def serving(self, model: str | None) -> list[Backend]:
         """The backends serving ``model`` (any, when the request names none and one model

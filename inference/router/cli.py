@@ -44,6 +44,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="characters of the opening turn that make a conversation's key")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="engines tried for a request that none started")
+    parser.add_argument(
+        "--cold-start-timeout", type=float, default=0.0, metavar="SECONDS",
+        help="hold a request for a model whose engines are all down (scaled to zero, or "
+        "starting) this long for one to come up, then answer 503; 0 answers at once",
+    )  # fmt: skip
     parser.add_argument("--scrape-interval", type=float, default=2.0,
                         help="seconds between reads of every engine's /metrics")
     parser.add_argument("--api-key", default=None,
@@ -68,6 +73,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         backend_api_key=args.backend_api_key,
         scrape_interval_s=args.scrape_interval,
+        cold_start_timeout_s=args.cold_start_timeout,
     )
 
 

@@ -58,6 +58,9 @@ class RouterSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     scrape_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
+    # How long a request for a known model with no engine up is held (an engine starting,
+    # from zero replicas or after a crash) before a 503; 0 answers at once.
+    cold_start_timeout_s: float = 0.0
 
 
 class RouterMetrics:
@@ -79,6 +82,12 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "pagoda_router_in_flight", "Requests in flight per engine", ["backend"],
             registry=self.registry,
+        )  # fmt: skip
+        self.held = Gauge(
+            "pagoda_router_held_requests",
+            "Requests held until an engine of their model is up: demand for a model at zero "
+            "replicas (the operator's KEDA trigger wakes it on this)",
+            ["model"], registry=self.registry,
         )  # fmt: skip
 
 
@@ -119,11 +128,40 @@ class Router:
         return headers
 
     async def forward(self, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
+        """The first engine's answer; while no engine of a known model is up, the request
+        is held (up to ``cold_start_timeout_s``) and tried again as engines appear."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
+        deadline = asyncio.get_running_loop().time() + self.settings.cold_start_timeout_s
+        held = False
+        try:
+            while True:
+                response, unreachable = await self.try_engines(request, raw, body, model)
+                waiting = unreachable and self.pool.is_known(model)
+                if not waiting or asyncio.get_running_loop().time() >= deadline:
+                    break
+                if not held:
+                    held = True
+                    self.metrics.held.labels(model or "").inc()
+                await asyncio.sleep(min(self.settings.scrape_interval_s, 1.0))
+        finally:
+            if held:
+                self.metrics.held.labels(model or "").dec()
+        if held and unreachable:
+            timeout = self.settings.cold_start_timeout_s
+            self.metrics.unrouted.labels(model or "", "cold_start_timeout").inc()
+            return error(503, f"no engine of `{model}` came up within {timeout:g}s (it may be "
+                         "starting from zero replicas): try again", headers={"Retry-After": "10"})
+        return response
+
+    async def try_engines(
+        self, request: Request, raw: bytes, body: dict[str, Any], model: str | None
+    ) -> tuple[Response, bool]:
+        """The answer, and whether no engine could be reached at all (none up)."""
         candidates = self.pool.serving(model)
         if not candidates:
-            return self.no_backend(model)
+            return self.no_backend(model), self.pool.is_known(model)
         assert self.client is not None
+        reached = False
         headers = self.outgoing_headers(request)
         last: Response | None = None
         for attempt, backend in enumerate(self.order(candidates, body)):
@@ -143,7 +181,9 @@ class Router:
                 continue
             except httpx.HTTPError as exc:  # started, then failed: not retried
                 self._leave(backend, model, "upstream_error")
-                return error(502, f"engine {backend.url} failed: {type(exc).__name__}: {exc}")
+                message = f"engine {backend.url} failed: {type(exc).__name__}: {exc}"
+                return error(502, message), False
+            reached = True
             if response.status_code in RETRIED_STATUSES:
                 last = await self._buffered(response)
                 self._leave(backend, model, str(response.status_code))
@@ -153,14 +193,15 @@ class Router:
                 status_code=response.status_code,
                 headers={k: v for k, v in response.headers.items()
                          if k.lower() not in DROPPED_HEADERS},
-            )  # fmt: skip
+            ), False  # fmt: skip
         assert last is not None
-        self.metrics.unrouted.labels(model or "", "all_refused").inc()
-        return last
+        if reached:
+            self.metrics.unrouted.labels(model or "", "all_refused").inc()
+        return last, not reached
 
     def no_backend(self, model: str | None) -> JSONResponse:
         served = self.pool.models()
-        if model is not None and model not in served:
+        if model is not None and model not in served and not self.pool.is_known(model):
             self.metrics.unrouted.labels(model, "unknown_model").inc()
             return error(
                 404,

@@ -550,7 +550,7 @@ def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[st
         if auth:
             trigger["authenticationRef"] = {"name": meta["name"]}
         triggers.append(trigger)
-    body = {
+    body: dict[str, Any] = {
         "spec": {
             "scaleTargetRef": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"]},
             "minReplicaCount": autoscaling["minReplicas"],
@@ -558,7 +558,45 @@ def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[st
             "triggers": triggers,
         }
     }
+    if autoscaling["minReplicas"] == 0:
+        body["spec"]["cooldownPeriod"] = int(autoscaling.get("idleTimeoutSeconds") or 300)
+        demand = demand_trigger(meta["namespace"], meta["name"], spec)
+        if triggers and "authenticationRef" in triggers[0]:
+            demand["authenticationRef"] = triggers[0]["authenticationRef"]
+            demand["metadata"].update(
+                {k: v for k, v in triggers[0]["metadata"].items() if k == "authModes"}
+            )
+        triggers.append(demand)
     return finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
+
+
+def served_model_name(spec: dict[str, Any]) -> str:
+    model = spec.get("model") or {}
+    return str(model.get("servedModelName") or model.get("name") or "")
+
+
+def demand_trigger(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """With minReplicas 0: what keeps the engines up and what brings them back. Requests
+    running (an idle window is one with none) plus requests that pagoda router holds for this
+    model while it has no engine (its pagoda_router_held_requests gauge); active above 0.
+    Its threshold, maxNumSeqs per replica, is never reached by the running requests alone,
+    so it wakes and holds the engines without deciding how many run."""
+    selector = engine_selector(namespace, name)
+    model = served_model_name(spec)
+    held = f'sum(pagoda_router_held_requests{{namespace="{namespace}",model="{model}"}})'
+    running = f"sum(vllm:num_requests_running{{{selector}}})"
+    return {
+        "type": "prometheus",
+        "name": "demand",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": spec["prometheus"]["url"],
+            "query": f"({held} or vector(0)) + ({running} or vector(0))",
+            "threshold": str(spec["engine"]["maxNumSeqs"]),
+            "activationThreshold": "0",
+            "ignoreNullValues": "true",
+        },
+    }
 
 
 def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:

@@ -187,6 +187,9 @@ def workload_status(
         "modelName": (spec.get("model") or {}).get("servedModelName")
         or (spec.get("model") or {}).get("name"),
         "serviceName": meta["name"],
+        "coldStart": cold_start(
+            previous.get("coldStart"), previous.get("phase"), desired, counts["ready"], now
+        ),
         # None removes a record left from an earlier download source (merge patch).
         "modelCache": cache.status(spec, meta["name"]) if cache is not None else None,
         # What the engines are told to run: the spec with the tuner's overrides.
@@ -214,6 +217,24 @@ def _integration_conditions(findings: Findings, autoscaled: bool) -> list[dict[s
     elif autoscaled:
         result.append(condition(AUTOSCALING_READY, True, "AsExpected", "The autoscaler can run"))
     return result
+
+
+def cold_start(
+    previous: dict[str, Any] | None, previous_phase: str | None, desired: int, ready: int, now: str
+) -> dict[str, Any] | None:
+    """``status.coldStart``: a start from zero replicas begins when replicas are wanted
+    after ScaledToZero and ends at the first ready replica, whose wait it records."""
+    record = {k: v for k, v in (previous or {}).items() if v is not None}
+    if desired > 0 and ready == 0 and previous_phase == "ScaledToZero":
+        record.setdefault("startedAt", now)
+    if ready >= 1 and record.get("startedAt"):
+        parse = datetime.datetime.fromisoformat
+        started = parse(record["startedAt"].replace("Z", "+00:00"))
+        waited = parse(now.replace("Z", "+00:00")) - started
+        # None removes startedAt in the merge patch of the status.
+        record.update(startedAt=None, lastSeconds=round(waited.total_seconds(), 1),
+                      lastReadyAt=now)  # fmt: skip
+    return record or None
 
 
 def _gateway_conditions(findings: Findings, gateway: bool) -> list[dict[str, str]]:

@@ -251,7 +251,10 @@ def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
                 slices["ready"] = False
                 wait_until(lambda: client.get("/v1/models").json()["data"] == [],
                            what="the engine dropped")  # fmt: skip
-                assert chat(client, 0, 0).status_code == 404  # no engine serves the model now
+                # A model seen before is not unknown: no engine serves it right now.
+                gone = chat(client, 0, 0)
+                assert gone.status_code == 503, gone.text
+                assert "right now" in gone.json()["error"]["message"]
 
 
 def test_the_router_manifest_runs_what_the_cli_accepts() -> None:
@@ -276,3 +279,39 @@ def test_the_router_manifest_runs_what_the_cli_accepts() -> None:
     assert (rule["apiGroups"], rule["resources"], rule["verbs"]) == (
         ["discovery.k8s.io"], ["endpointslices"], ["list"],
     )  # fmt: skip
+
+
+def held_requests(client: httpx.Client) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith("pagoda_router_held_requests{")
+    )
+
+
+def test_a_request_is_held_until_an_engine_comes_up_from_zero() -> None:
+    """No engine listens yet (a model at zero replicas): the request waits, counted as
+    demand, and is answered once an engine starts on the backend's address."""
+    import threading
+
+    fake = FakeEngine("cold")
+    later = serve_engine(fake)  # its port is chosen; nothing listens on it yet
+    with router_over([later.url], cold_start_timeout_s=60.0) as client:
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answers.append(chat(client, 0, 0)))
+        waiter.start()
+        wait_until(lambda: held_requests(client) == 1, what="the request held as demand")
+        with later:
+            waiter.join(timeout=60)
+            assert answers and answers[0].status_code == 200, answers
+            assert answers[0].json()["engine"] == "cold"
+        assert held_requests(client) == 0
+
+
+def test_a_held_request_gets_a_clear_503_at_its_deadline() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with router_over([dead], cold_start_timeout_s=1.0) as client:
+        response = chat(client, 0, 0)
+        assert response.status_code == 503
+        assert "zero replicas" in response.json()["error"]["message"]
+        assert response.headers["retry-after"] == "10"
