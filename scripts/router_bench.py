@@ -10,6 +10,9 @@ the later turns that a cache can serve. Each policy's run uses conversations of 
 no run finds what another left in the caches.
 
     python scripts/router_bench.py --engines 3 --conversations 9 --turns 4 --out RESULTS.json
+
+``--scenario cold-start`` measures a start from zero instead: a request held by the router
+while its engine starts, answered once the engine is up.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ async def run_policy(args, policy: str, engines: list[str], port: int, repeat: i
 
             async def limited(index: int) -> None:
                 async with limit:
-                    await conversation(client, model, f"{policy}-{repeat}", index, args.turns, args.words,
+                    run = f"{policy}-{repeat}"
+                    await conversation(client, model, run, index, args.turns, args.words,
                                        args.max_tokens, ttfts)  # fmt: skip
 
             started = time.perf_counter()
@@ -134,7 +138,60 @@ async def run_policy(args, policy: str, engines: list[str], port: int, repeat: i
     }
 
 
+async def cold_start(args) -> dict:
+    """Scale from zero on localhost: a request reaches the router while no engine runs; the
+    engine starts only then (as KEDA would start a replica on the router's held-request
+    gauge), and the request is answered once the engine is up."""
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    engine_port, router_port = args.base_port, args.base_port + 1
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+    router = spawn(["router", "--backend", f"{args.served_name}={engine_url}", "--port",
+                    str(router_port), "--cold-start-timeout", "600", "--scrape-interval", "0.5"],
+                   Path(args.logs) / "router-cold.log")  # fmt: skip
+    engine = None
+    try:
+        await wait_ready_or_503(url)
+        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+            messages = [{"role": "user", "content": "Say hello."}]
+            body = {"model": args.served_name, "messages": messages, "max_tokens": 4}
+            started = time.perf_counter()
+            answer = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            while "pagoda_router_held_requests{" not in (await client.get("/metrics")).text:
+                await asyncio.sleep(0.1)
+            held_after = time.perf_counter() - started
+            serve = ["serve", args.model, "--device", "cpu", "--port", str(engine_port),
+                     "--served-model-name", args.served_name, "--max-model-len", "2048"]
+            engine = spawn(serve, Path(args.logs) / "engine-cold.log")
+            engine_started = time.perf_counter()
+            await wait_ready(engine_url)
+            engine_ready = time.perf_counter() - engine_started
+            response = await answer
+            total = time.perf_counter() - started
+        return {"scenario": "cold-start", "status": response.status_code,
+                "held_after_s": held_after, "engine_start_to_ready_s": engine_ready,
+                "request_to_answer_s": total}  # fmt: skip
+    finally:
+        for process in (router, engine):
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=60)
+
+
+async def wait_ready_or_503(url: str) -> None:
+    """The router is up (its /ready is 503 until an engine answers)."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                await client.get(f"{url}/health")
+                return
+            await asyncio.sleep(0.1)
+
+
 async def main_async(args) -> list[dict]:
+    if args.scenario == "cold-start":
+        result = await cold_start(args)
+        print(json.dumps(result), flush=True)
+        return [result]
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     ports = free_ports(args.engines + 1, args.base_port)
     engines, processes = [], []
@@ -163,7 +220,9 @@ async def main_async(args) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=["affinity", "cold-start"], default="affinity")
     parser.add_argument("--model", default="default")
+    parser.add_argument("--served-name", default="smollm2", help="the cold-start engine's model name")
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=9)
     parser.add_argument("--turns", type=int, default=4)

@@ -11,6 +11,12 @@ from typing import Any
 
 from pagoda_operator import constants as c
 from pagoda_operator import gateway as gw
+from pagoda_operator.autoscalers import (
+    desired_autoscaler,
+    desired_scaled_object,
+    desired_trigger_authentication,
+    prometheus_auth,
+)
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
 from pagoda_operator.metadata import (
     common_labels,
@@ -27,7 +33,6 @@ from pagoda_operator.model_cache import (
     loader_job_name,
 )
 from pagoda_operator.overrides import effective_spec
-from pagoda_operator.promql import engine_selector
 from pagoda_operator.spec import model_source, with_defaults
 
 MODEL_VOLUME = "model"
@@ -89,37 +94,8 @@ def desired_objects(
         objects.append(desired_service_monitor(llmd, monitor))
     gateway = gw.gateway_spec(spec)
     if gateway is not None:
-        objects += desired_gateway(llmd, gateway, picker_image)
+        objects += gw.desired_gateway(llmd, gateway, picker_image)
     return objects
-
-
-def desired_gateway(
-    llmd: dict[str, Any], gateway: dict[str, Any], picker_image: str
-) -> list[dict[str, Any]]:
-    """The InferencePool and its endpoint picker (see ``gateway``): the picker's RBAC and
-    configuration before the Deployment that needs them."""
-    name, namespace = llmd["metadata"]["name"], llmd["metadata"]["namespace"]
-    picker = gw.picker_name(name)
-    labels = {**common_labels(name), **gw.picker_selector(name), c.LABEL_COMPONENT: "router"}
-    rbac = "rbac.authorization.k8s.io/v1"
-
-    def picker_object(api_version: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        return finish(llmd, api_version, kind, body, picker, labels=labels)
-
-    return [
-        picker_object("v1", "ServiceAccount", {"automountServiceAccountToken": True}),
-        picker_object(rbac, "Role", gw.picker_role_body()),
-        picker_object(rbac, "RoleBinding", gw.picker_role_binding_body(name, namespace)),
-        picker_object("v1", "ConfigMap", gw.picker_config_body()),
-        picker_object(
-            "apps/v1",
-            "Deployment",
-            gw.picker_deployment_body(name, namespace, gateway, picker_image, labels),
-        ),
-        picker_object("v1", "Service", gw.picker_service_body(name)),
-        finish(llmd, gw.POOL_API_VERSION, "InferencePool",
-               gw.pool_body(name, selector_labels(name), gateway)),
-    ]  # fmt: skip
 
 
 def effective_replicas(spec: dict[str, Any]) -> int:
@@ -469,153 +445,3 @@ def desired_service_monitor(
 def _pod_label_meta(label: str) -> str:
     """Prometheus's meta label for a pod label: every non-alphanumeric becomes '_'."""
     return "__meta_kubernetes_pod_label_" + "".join(ch if ch.isalnum() else "_" for ch in label)
-
-
-def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """An HPA on the LLMDeployment's scale subresource, fed by the engine's queue metrics.
-
-    The metric names are the vLLM ones with ':' turned into '_', as a prometheus-adapter
-    rule exposes them through the custom metrics API.
-    """
-    autoscaling = spec["autoscaling"]
-    metrics = [_pods_metric("vllm_num_requests_waiting", str(autoscaling["targetRequestsWaiting"]))]
-    if autoscaling.get("targetKVCacheUsage") is not None:
-        usage_milli = round(float(autoscaling["targetKVCacheUsage"]) * 1000)
-        metrics.append(_pods_metric("vllm_kv_cache_usage_perc", f"{usage_milli}m"))
-    body = {
-        "spec": {
-            "scaleTargetRef": {
-                "apiVersion": c.API_VERSION,
-                "kind": c.KIND,
-                "name": llmd["metadata"]["name"],
-            },
-            "minReplicas": autoscaling["minReplicas"],
-            "maxReplicas": autoscaling["maxReplicas"],
-            "metrics": metrics,
-        }
-    }
-    return finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
-
-
-KEDA_API_VERSION = "keda.sh/v1alpha1"
-
-
-def autoscaler_queries(namespace: str, name: str) -> dict[str, str]:
-    """The two load signals, summed over this LLMDeployment's engines: KEDA divides a sum
-    by the replica count (metricType AverageValue), as the HPA averages per pod."""
-    selector = engine_selector(namespace, name)
-    return {
-        "requests-waiting": f"sum(vllm:num_requests_waiting{{{selector}}})",
-        "kv-cache-usage": f"sum(vllm:kv_cache_usage_perc{{{selector}}})",
-    }
-
-
-def prometheus_auth(spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """The Secrets of ``spec.prometheus`` (bearer token, CA bundle) that are set."""
-    prometheus = spec.get("prometheus") or {}
-    return {
-        field: prometheus[field]
-        for field in ("bearerTokenSecretRef", "caSecretRef")
-        if prometheus.get(field)
-    }
-
-
-def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """A KEDA ScaledObject on the LLMDeployment's scale subresource, with Prometheus
-    triggers on the same signals as the HPA; KEDA queries ``spec.prometheus.url`` itself,
-    so no prometheus-adapter is needed (vLLM production-stack scales the same way)."""
-    meta = llmd["metadata"]
-    autoscaling = spec["autoscaling"]
-    queries = autoscaler_queries(meta["namespace"], meta["name"])
-    targets = {"requests-waiting": str(autoscaling["targetRequestsWaiting"])}
-    if autoscaling.get("targetKVCacheUsage") is not None:
-        targets["kv-cache-usage"] = f"{float(autoscaling['targetKVCacheUsage']):g}"
-    auth = prometheus_auth(spec)
-    triggers = []
-    for signal, threshold in targets.items():
-        trigger: dict[str, Any] = {
-            "type": "prometheus",
-            "name": signal,
-            "metricType": "AverageValue",
-            "metadata": {
-                "serverAddress": spec["prometheus"]["url"],
-                "query": queries[signal],
-                "threshold": threshold,
-                # No engine reporting yet (all loading) is no load, not an error.
-                "ignoreNullValues": "true",
-            },
-        }
-        if "bearerTokenSecretRef" in auth:
-            trigger["metadata"]["authModes"] = "bearer"
-        if auth:
-            trigger["authenticationRef"] = {"name": meta["name"]}
-        triggers.append(trigger)
-    body: dict[str, Any] = {
-        "spec": {
-            "scaleTargetRef": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"]},
-            "minReplicaCount": autoscaling["minReplicas"],
-            "maxReplicaCount": autoscaling["maxReplicas"],
-            "triggers": triggers,
-        }
-    }
-    if autoscaling["minReplicas"] == 0:
-        body["spec"]["cooldownPeriod"] = int(autoscaling.get("idleTimeoutSeconds") or 300)
-        demand = demand_trigger(meta["namespace"], meta["name"], spec)
-        if triggers and "authenticationRef" in triggers[0]:
-            demand["authenticationRef"] = triggers[0]["authenticationRef"]
-            demand["metadata"].update(
-                {k: v for k, v in triggers[0]["metadata"].items() if k == "authModes"}
-            )
-        triggers.append(demand)
-    return finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
-
-
-def served_model_name(spec: dict[str, Any]) -> str:
-    model = spec.get("model") or {}
-    return str(model.get("servedModelName") or model.get("name") or "")
-
-
-def demand_trigger(namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """With minReplicas 0: what keeps the engines up and what brings them back. Requests
-    running (an idle window is one with none) plus requests that pagoda router holds for this
-    model while it has no engine (its pagoda_router_held_requests gauge); active above 0.
-    Its threshold, maxNumSeqs per replica, is never reached by the running requests alone,
-    so it wakes and holds the engines without deciding how many run."""
-    selector = engine_selector(namespace, name)
-    model = served_model_name(spec)
-    held = f'sum(pagoda_router_held_requests{{namespace="{namespace}",model="{model}"}})'
-    running = f"sum(vllm:num_requests_running{{{selector}}})"
-    return {
-        "type": "prometheus",
-        "name": "demand",
-        "metricType": "AverageValue",
-        "metadata": {
-            "serverAddress": spec["prometheus"]["url"],
-            "query": f"({held} or vector(0)) + ({running} or vector(0))",
-            "threshold": str(spec["engine"]["maxNumSeqs"]),
-            "activationThreshold": "0",
-            "ignoreNullValues": "true",
-        },
-    }
-
-
-def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """Hands the Secrets of ``spec.prometheus`` to KEDA's Prometheus triggers."""
-    parameters = {"bearerTokenSecretRef": "bearerToken", "caSecretRef": "ca"}
-    refs = [
-        {"parameter": parameters[field], "name": ref["name"], "key": ref["key"]}
-        for field, ref in prometheus_auth(spec).items()
-    ]
-    return finish(
-        llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}}
-    )
-
-
-def _pods_metric(name: str, average_value: str) -> dict[str, Any]:
-    return {
-        "type": "Pods",
-        "pods": {
-            "metric": {"name": name},
-            "target": {"type": "AverageValue", "averageValue": average_value},
-        },
-    }

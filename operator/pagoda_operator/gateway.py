@@ -6,7 +6,7 @@ pagoda's server keeps: tests/k8s/test_gateway_protocol.py) and tells the Gateway
 each request goes to: shortest queue, lowest KV-cache use, longest cached prefix. The
 picker is configured as the extension's ``inferencepool`` Helm chart configures it
 (config/charts/inferencepool: its Deployment's flags and ports, its Role, its default
-``EndpointPickerConfig``); the objects here are spec bodies, ``desired`` adds metadata.
+``EndpointPickerConfig``); the objects here are spec bodies, given their metadata by ``desired_gateway``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import copy
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator.metadata import common_labels, finish, selector_labels
 
 POOL_API_VERSION = "inference.networking.k8s.io/v1"
 POOL_GROUP = POOL_API_VERSION.split("/")[0]
@@ -204,3 +205,32 @@ def picker_args(name: str, namespace: str) -> list[str]:
 
 def _grpc_health() -> dict[str, Any]:
     return {"grpc": {"port": PICKER_HEALTH_PORT, "service": "inference-extension"}}
+
+
+def desired_gateway(
+    llmd: dict[str, Any], gateway: dict[str, Any], picker_image: str
+) -> list[dict[str, Any]]:
+    """The InferencePool and its endpoint picker (see ``gateway``): the picker's RBAC and
+    configuration before the Deployment that needs them."""
+    name, namespace = llmd["metadata"]["name"], llmd["metadata"]["namespace"]
+    picker = picker_name(name)
+    labels = {**common_labels(name), **picker_selector(name), c.LABEL_COMPONENT: "router"}
+    rbac = "rbac.authorization.k8s.io/v1"
+
+    def picker_object(api_version: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        return finish(llmd, api_version, kind, body, picker, labels=labels)
+
+    return [
+        picker_object("v1", "ServiceAccount", {"automountServiceAccountToken": True}),
+        picker_object(rbac, "Role", picker_role_body()),
+        picker_object(rbac, "RoleBinding", picker_role_binding_body(name, namespace)),
+        picker_object("v1", "ConfigMap", picker_config_body()),
+        picker_object(
+            "apps/v1",
+            "Deployment",
+            picker_deployment_body(name, namespace, gateway, picker_image, labels),
+        ),
+        picker_object("v1", "Service", picker_service_body(name)),
+        finish(llmd, POOL_API_VERSION, "InferencePool",
+               pool_body(name, selector_labels(name), gateway)),
+    ]  # fmt: skip

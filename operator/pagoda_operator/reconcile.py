@@ -16,12 +16,8 @@ import aiohttp
 import kopf
 
 from pagoda_operator import constants as c
-from pagoda_operator.desired import (
-    DEFAULT_MONITOR,
-    KEDA_API_VERSION,
-    MonitorSettings,
-    desired_objects,
-)
+from pagoda_operator.autoscalers import KEDA_API_VERSION
+from pagoda_operator.desired import DEFAULT_MONITOR, MonitorSettings, desired_objects
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.gateway import PICKER_APP_NAME, POOL_API_VERSION, gateway_spec
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
