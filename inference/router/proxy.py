@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +94,38 @@ class RouterMetrics:
 def error(status: int, message: str, **kwargs: Any) -> JSONResponse:
     headers = kwargs.pop("headers", None)
     return JSONResponse(error_body(status, message, **kwargs), status, headers=headers)
+
+
+class RelayResponse(StreamingResponse):
+    """An engine's answer relayed chunk by chunk. Whatever ends it (the last chunk, a broken
+    engine stream, a client that went away, even before the first chunk), the engine's
+    response is closed, which aborts the request there, and ``done`` is told once."""
+
+    def __init__(self, upstream: httpx.Response, done: Callable[[str], None]) -> None:
+        self.upstream = upstream
+        self.outcome = "ok" if upstream.status_code < 400 else str(upstream.status_code)
+        self._done = done
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_HEADERS}
+        super().__init__(self._chunks(), status_code=upstream.status_code, headers=headers)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            self.outcome = "broken_stream"
+            raise
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            if self.outcome == "ok":
+                self.outcome = "client_gone"
+            raise
+        finally:
+            await self.upstream.aclose()
+            self._done(self.outcome)
 
 
 class Router:
@@ -188,12 +220,7 @@ class Router:
                 last = await self._buffered(response)
                 self._leave(backend, model, str(response.status_code))
                 continue
-            return StreamingResponse(
-                self._relay(response, backend, model),
-                status_code=response.status_code,
-                headers={k: v for k, v in response.headers.items()
-                         if k.lower() not in DROPPED_HEADERS},
-            ), False  # fmt: skip
+            return RelayResponse(response, lambda outcome, b=backend: self._leave(b, model, outcome)), False
         assert last is not None
         if reached:
             self.metrics.unrouted.labels(model or "", "all_refused").inc()
@@ -224,22 +251,6 @@ class Router:
             await response.aclose()
         headers = {k: v for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS}
         return Response(content, response.status_code, headers=headers)
-
-    async def _relay(
-        self, response: httpx.Response, backend: Backend, model: str | None
-    ) -> AsyncIterator[bytes]:
-        """The engine's body chunk by chunk; closing it (a client that went away) closes
-        the engine's connection, which aborts the request there."""
-        outcome = "ok" if response.status_code < 400 else str(response.status_code)
-        try:
-            async for chunk in response.aiter_raw():
-                yield chunk
-        except httpx.HTTPError:
-            outcome = "broken_stream"
-            raise
-        finally:
-            await response.aclose()
-            self._leave(backend, model, outcome)
 
     def _enter(self, backend: Backend) -> None:
         backend.in_flight += 1

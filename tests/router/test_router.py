@@ -315,3 +315,22 @@ def test_a_held_request_gets_a_clear_503_at_its_deadline() -> None:
         assert response.status_code == 503
         assert "zero replicas" in response.json()["error"]["message"]
         assert response.headers["retry-after"] == "10"
+
+
+def test_a_client_that_goes_away_closes_the_engines_stream() -> None:
+    """The engine's request is aborted (its stream closed) and the router's in-flight
+    count, which the bounded load reads, comes back to 0."""
+    with engines(1) as running, router_over([running[0][1].url]) as client:
+        fake, _ = running[0]
+        fake.hold = True
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        with httpx.Client(base_url=str(client.base_url), timeout=30) as gone:
+            with gone.stream("POST", "/v1/chat/completions", json=body) as response:
+                next(response.iter_lines())
+                assert fake.open_streams == 1
+        wait_until(lambda: fake.open_streams == 0, what="the engine's stream closed")
+
+        def in_flight() -> int:
+            return client.get("/router/backends").json()["backends"][0]["in_flight"]
+
+        wait_until(lambda: in_flight() == 0, what="the router's count back to 0")
