@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -160,15 +161,16 @@ class Router:
         return headers
 
     async def forward(self, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
-        """The first engine's answer; while no engine of a known model is up, the request
-        is held (up to ``cold_start_timeout_s``) and tried again as engines appear."""
+        """The first engine's answer; while no engine of a known model is up (none listens,
+        or each answers 503 while it loads), the request is held (up to
+        ``cold_start_timeout_s``) and tried again as engines come up."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
         deadline = asyncio.get_running_loop().time() + self.settings.cold_start_timeout_s
         held = False
         try:
             while True:
-                response, unreachable = await self.try_engines(request, raw, body, model)
-                waiting = unreachable and self.pool.is_known(model)
+                response, starting = await self.try_engines(request, raw, body, model)
+                waiting = starting and self.pool.is_known(model)
                 if not waiting or asyncio.get_running_loop().time() >= deadline:
                     break
                 if not held:
@@ -178,7 +180,7 @@ class Router:
         finally:
             if held:
                 self.metrics.held.labels(model or "").dec()
-        if held and unreachable:
+        if held and starting:
             timeout = self.settings.cold_start_timeout_s
             self.metrics.unrouted.labels(model or "", "cold_start_timeout").inc()
             return error(503, f"no engine of `{model}` came up within {timeout:g}s (it may be "
@@ -188,12 +190,13 @@ class Router:
     async def try_engines(
         self, request: Request, raw: bytes, body: dict[str, Any], model: str | None
     ) -> tuple[Response, bool]:
-        """The answer, and whether no engine could be reached at all (none up)."""
+        """The answer, and whether no engine is up yet: each one tried was unreachable or
+        answered 503 (not ready); an engine that answered 429 is up, only busy."""
         candidates = self.pool.serving(model)
         if not candidates:
             return self.no_backend(model), self.pool.is_known(model)
         assert self.client is not None
-        reached = False
+        busy = False
         headers = self.outgoing_headers(request)
         last: Response | None = None
         for attempt, backend in enumerate(self.order(candidates, body)):
@@ -215,16 +218,17 @@ class Router:
                 self._leave(backend, model, "upstream_error")
                 message = f"engine {backend.url} failed: {type(exc).__name__}: {exc}"
                 return error(502, message), False
-            reached = True
+            busy = busy or response.status_code != 503
             if response.status_code in RETRIED_STATUSES:
                 last = await self._buffered(response)
                 self._leave(backend, model, str(response.status_code))
                 continue
-            return RelayResponse(response, lambda outcome, b=backend: self._leave(b, model, outcome)), False
+            done = functools.partial(self._leave, backend, model)
+            return RelayResponse(response, done), False
         assert last is not None
-        if reached:
+        if busy:
             self.metrics.unrouted.labels(model or "", "all_refused").inc()
-        return last, not reached
+        return last, not busy
 
     def no_backend(self, model: str | None) -> JSONResponse:
         served = self.pool.models()

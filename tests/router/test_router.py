@@ -334,3 +334,21 @@ def test_a_client_that_goes_away_closes_the_engines_stream() -> None:
             return client.get("/router/backends").json()["backends"][0]["in_flight"]
 
         wait_until(lambda: in_flight() == 0, what="the router's count back to 0")
+
+
+def test_a_held_request_waits_through_an_engine_that_is_still_loading() -> None:
+    """An engine that listens but answers 503 (its model still loading) is not up yet: the
+    request stays held and is answered once the engine is ready."""
+    with engines(1) as running:
+        fake, _ = running[0]
+        fake.refuse = True
+        with router_over([running[0][1].url], cold_start_timeout_s=60.0) as client:
+            import threading
+
+            answers: list[httpx.Response] = []
+            waiter = threading.Thread(target=lambda: answers.append(chat(client, 0, 0)))
+            waiter.start()
+            wait_until(lambda: held_requests(client) == 1, what="held while loading")
+            fake.refuse = False
+            waiter.join(timeout=60)
+            assert answers and answers[0].status_code == 200, answers
