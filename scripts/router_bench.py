@@ -222,7 +222,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=["affinity", "cold-start"], default="affinity")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--served-name", default="smollm2", help="the cold-start engine's model name")
+    parser.add_argument("--served-name", default="smollm2",
+                        help="the cold-start engine's model name")
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=9)
     parser.add_argument("--turns", type=int, default=4)

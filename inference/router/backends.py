@@ -48,6 +48,12 @@ class Backend:
     def load(self) -> EngineLoad:
         return EngineLoad(self.in_flight, self.waiting, self.running, self.kv_cache_usage)
 
+    def requests(self) -> int:
+        """Requests on this engine, as bounded load counts them: the router's own in flight,
+        or what the engine last reported running and waiting when that is more (other
+        routers' and clients' requests); the count is fresher, the report more complete."""
+        return max(self.in_flight, round(self.running + self.waiting))
+
 
 def parse_backend(flag: str) -> tuple[str | None, str]:
     """``MODEL=URL`` or ``URL`` -> (model or None, URL without a trailing slash)."""
@@ -137,7 +143,8 @@ class BackendPool:
                 async with self.kube.client() as kube:
                     self.sync_discovered(await engine_urls(kube, self.kube))
             except (httpx.HTTPError, ValueError, OSError) as error:
-                logger.warning("reading EndpointSlices in %s failed: %s", self.kube.namespace, error)
+                namespace = self.kube.namespace
+                logger.warning("reading EndpointSlices in %s failed: %s", namespace, error)
         await asyncio.gather(*(self._scrape(client, b) for b in list(self.backends.values())))
 
     async def _scrape(self, client: httpx.AsyncClient, backend: Backend) -> None:

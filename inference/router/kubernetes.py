@@ -1,8 +1,10 @@
 """Engines found in Kubernetes: the ready endpoints of the LLMDeployments' Services.
 
-The EndpointSlice controller copies a Service's labels onto its EndpointSlices, so the
-slices of every LLMDeployment's Service carry ``app.kubernetes.io/name=pagoda-engine`` (the
-operator's engine label). Each ready endpoint on the port named ``http`` becomes a backend
+The EndpointSlice controller gives a Service's EndpointSlices the Service's labels (apart
+from its reserved ones: ``setEndpointSliceLabels`` in Kubernetes' staging/src/k8s.io/
+endpointslice/utils.go), so the slices of every LLMDeployment's Service carry
+``app.kubernetes.io/name=pagoda-engine`` (the operator's engine label; an endpoint picker's
+Service has another name label). Each ready endpoint on the port named ``http`` becomes a backend
 whose models its own ``/v1/models`` tells, so one router serves every LLMDeployment of the
 namespace, adapters included, with no list to keep. The API is read with the pod's service
 account (it needs ``list`` on ``endpointslices`` in the namespace).

@@ -2,7 +2,8 @@
 
 Prefix affinity is consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
 "Consistent Hashing with Bounded Loads", 2017): a key walks the hash ring from its point and
-takes the first engine whose in-flight count is under ``ceil(balance * (total + 1) / n)``.
+takes the first engine whose load (requests in flight: ``Backend.requests``) is under
+``ceil(balance * (total + 1) / n)``.
 A conversation's turns share their key, so they reach the engine that holds their prefix in
 its KV cache, unless that engine already carries more than its share; then the walk moves on
 to the next engine on the ring, the same one for every turn, and removing or adding an

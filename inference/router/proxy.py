@@ -148,8 +148,9 @@ class Router:
             self._turn += 1
             ordered = urls[self._turn % len(urls):] + urls[: self._turn % len(urls)]
         elif key is not None:
-            in_flight = {b.url: b.in_flight for b in candidates}
-            ordered = affinity_order(key, self.pool.ring(candidates), in_flight, self.settings.balance)
+            in_flight = {b.url: b.requests() for b in candidates}
+            ring = self.pool.ring(candidates)
+            ordered = affinity_order(key, ring, in_flight, self.settings.balance)
         else:
             ordered = least_load_order({b.url: b.load() for b in candidates})
         return [by_url[url] for url in ordered][: max(self.settings.max_attempts, 1)]
@@ -277,7 +278,8 @@ def build_router_app(pool: BackendPool, settings: RouterSettings) -> FastAPI:
             router.client = client
             scrape_client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
             await pool.scrape_once(scrape_client)
-            task = asyncio.create_task(pool.scrape_forever(scrape_client, settings.scrape_interval_s))
+            scraping = pool.scrape_forever(scrape_client, settings.scrape_interval_s)
+            task = asyncio.create_task(scraping)
             try:
                 yield
             finally:

@@ -6,7 +6,7 @@ pagoda's server keeps: tests/k8s/test_gateway_protocol.py) and tells the Gateway
 each request goes to: shortest queue, lowest KV-cache use, longest cached prefix. The
 picker is configured as the extension's ``inferencepool`` Helm chart configures it
 (config/charts/inferencepool: its Deployment's flags and ports, its Role, its default
-``EndpointPickerConfig``); the objects here are spec bodies, given their metadata by ``desired_gateway``.
+``EndpointPickerConfig``); ``desired_gateway`` gives the spec bodies their metadata.
 """
 
 from __future__ import annotations

@@ -88,8 +88,9 @@ def plan_actions(
 ) -> list[Action]:
     """Creates, updates and deletes that bring ``existing`` to ``desired``.
 
-    ``existing`` maps each owned (apiVersion, kind, name) to the object found, or None. An object of that name that this LLMDeployment does not
-    own is never touched: the plan is then the conflicts alone.
+    ``existing`` maps each owned (apiVersion, kind, name) to the object found, or None.
+    An object of that name that this LLMDeployment does not own is never touched: the plan
+    is then the conflicts alone.
     """
     actions: list[Action] = []
     conflicts: list[Action] = []

@@ -211,7 +211,8 @@ async def apply_owned_objects(
         return settled_objects(rendered, live_claim, spec, served)
 
     desired, claim_problems = render(model_cached=True)
-    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job", loader_job_name(name))))
+    loader = existing.get(("batch/v1", "Job", loader_job_name(name)))
+    cache = await model_cache_state(client, desired, loader)
     if cache is not None and not cache.ready:
         desired, claim_problems = render(model_cached=False)
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])

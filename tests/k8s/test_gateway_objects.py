@@ -135,7 +135,8 @@ def test_the_picker_runs_as_the_extensions_chart_configures_it() -> None:
     binding = objects[("RoleBinding", "chat-epp")]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
-    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    rules = role["rules"]
+    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     assert {("inference.networking.k8s.io", "inferencepools"), ("", "pods")} <= granted
 
 

@@ -103,7 +103,9 @@ class FakeEngine:
 class Served:
     """An ASGI app under uvicorn on 127.0.0.1 in a thread."""
 
-    def __init__(self, app: Any, on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None):
+    def __init__(
+        self, app: Any, on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")

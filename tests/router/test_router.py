@@ -149,7 +149,8 @@ def test_turns_of_a_conversation_share_a_key_and_conversations_do_not() -> None:
     def body(conversation: int, turns: int) -> dict[str, Any]:
         messages = [{"role": "system", "content": "s"},
                     {"role": "user", "content": f"c{conversation}"}]  # fmt: skip
-        messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}] * turns
+        turn = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]
+        messages += turn * turns
         return {"messages": messages}
 
     assert prefix_key(body(1, 0), 2048) == prefix_key(body(1, 3), 2048)
@@ -238,7 +239,9 @@ def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
     with serve_engine(fake) as engine:
 
         @api.get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices")
-        async def list_slices(namespace: str, labelSelector: str = "") -> dict[str, Any]:  # noqa: N803
+        async def list_slices(
+            namespace: str, labelSelector: str = ""  # noqa: N803 (the API's parameter)
+        ) -> dict[str, Any]:
             asked.append(f"{namespace}?{labelSelector}")
             return {"items": [endpoint_slice(engine.url, slices["ready"])]}
 
@@ -352,3 +355,12 @@ def test_a_held_request_waits_through_an_engine_that_is_still_loading() -> None:
             fake.refuse = False
             waiter.join(timeout=60)
             assert answers and answers[0].status_code == 200, answers
+
+
+def test_an_engine_busy_with_other_clients_counts_as_loaded() -> None:
+    """Bounded load counts what an engine reports running and waiting when that is more
+    than the router's own requests to it (other routers, other clients)."""
+    from inference.router.backends import Backend
+
+    assert Backend("u", in_flight=2, running=1.0, waiting=0.0).requests() == 2
+    assert Backend("u", in_flight=1, running=5.0, waiting=3.0).requests() == 8
