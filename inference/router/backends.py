@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from inference.router.kubernetes import KubeSource, engine_urls
+from inference.router.kubernetes import KubeSource, deployed_models, engine_urls
 from inference.router.picking import EngineLoad, Ring
 
 logger = logging.getLogger(__name__)
@@ -139,13 +139,19 @@ class BackendPool:
 
     async def scrape_once(self, client: httpx.AsyncClient) -> None:
         if self.kube is not None:
-            try:
-                async with self.kube.client() as kube:
-                    self.sync_discovered(await engine_urls(kube, self.kube))
-            except (httpx.HTTPError, ValueError, OSError) as error:
-                namespace = self.kube.namespace
-                logger.warning("reading EndpointSlices in %s failed: %s", namespace, error)
+            await self._discover(self.kube)
         await asyncio.gather(*(self._scrape(client, b) for b in list(self.backends.values())))
+
+    async def _discover(self, source: KubeSource) -> None:
+        try:
+            async with source.client() as kube:
+                self.sync_discovered(await engine_urls(kube, source))
+                try:
+                    self.known |= await deployed_models(kube, source)
+                except httpx.HTTPStatusError as error:  # no RBAC for it, or no CRD: optional
+                    logger.debug("reading LLMDeployments in %s: %s", source.namespace, error)
+        except (httpx.HTTPError, ValueError, OSError) as error:
+            logger.warning("reading EndpointSlices in %s failed: %s", source.namespace, error)
 
     async def _scrape(self, client: httpx.AsyncClient, backend: Backend) -> None:
         try:

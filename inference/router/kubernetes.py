@@ -6,8 +6,11 @@ endpointslice/utils.go), so the slices of every LLMDeployment's Service carry
 ``app.kubernetes.io/name=pagoda-engine`` (the operator's engine label; an endpoint picker's
 Service has another name label). Each ready endpoint on the port named ``http`` becomes a backend
 whose models its own ``/v1/models`` tells, so one router serves every LLMDeployment of the
-namespace, adapters included, with no list to keep. The API is read with the pod's service
-account (it needs ``list`` on ``endpointslices`` in the namespace).
+namespace, adapters included, with no list to keep. The LLMDeployments themselves say which
+models the namespace serves even while one has no engine (scaled to zero), so a request for
+it is held for a cold start rather than refused as unknown, also by a router that has just
+started. The API is read with the pod's service account (``list`` on ``endpointslices`` and
+``llmdeployments`` in the namespace).
 """
 
 from __future__ import annotations
@@ -74,3 +77,15 @@ async def engine_urls(client: httpx.AsyncClient, source: KubeSource) -> set[str]
     response = await client.get(path, params={"labelSelector": source.selector})
     response.raise_for_status()
     return ready_urls(response.json().get("items") or [])
+
+
+LLMDEPLOYMENTS = "/apis/pagoda.dev/v1alpha1/namespaces/{namespace}/llmdeployments"
+
+
+async def deployed_models(client: httpx.AsyncClient, source: KubeSource) -> set[str]:
+    """``status.modelName`` of every LLMDeployment in the namespace (what its engines serve,
+    as the operator writes it)."""
+    response = await client.get(LLMDEPLOYMENTS.format(namespace=source.namespace))
+    response.raise_for_status()
+    items = response.json().get("items") or []
+    return {str(m) for item in items if (m := (item.get("status") or {}).get("modelName"))}

@@ -245,6 +245,10 @@ def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
             asked.append(f"{namespace}?{labelSelector}")
             return {"items": [endpoint_slice(engine.url, slices["ready"])]}
 
+        @api.get("/apis/pagoda.dev/v1alpha1/namespaces/{namespace}/llmdeployments")
+        async def list_llmds(namespace: str) -> dict[str, Any]:
+            return {"items": [{"status": {"modelName": "at-zero"}}]}
+
         with Served(api) as kube:
             source = KubeSource("llm", api_url=kube.url)
             app = build_router_app(BackendPool([], source), RouterSettings(scrape_interval_s=0.2))
@@ -258,6 +262,9 @@ def test_engines_are_found_in_the_namespaces_endpoint_slices() -> None:
                 gone = chat(client, 0, 0)
                 assert gone.status_code == 503, gone.text
                 assert "right now" in gone.json()["error"]["message"]
+                # An LLMDeployment without engines (at zero replicas) is known too.
+                body = {"model": "at-zero", "messages": [{"role": "user", "content": "x"}]}
+                assert client.post("/v1/chat/completions", json=body).status_code == 503
 
 
 def test_the_router_manifest_runs_what_the_cli_accepts() -> None:
@@ -278,10 +285,12 @@ def test_the_router_manifest_runs_what_the_cli_accepts() -> None:
     parsed = add_router_args(argparse.ArgumentParser()).parse_args(args[1:])
     assert parsed.discover_namespace == "llm"
     assert str(parsed.port) == str(container["ports"][0]["containerPort"])
-    (rule,) = documents["Role"]["rules"]
-    assert (rule["apiGroups"], rule["resources"], rule["verbs"]) == (
-        ["discovery.k8s.io"], ["endpointslices"], ["list"],
-    )  # fmt: skip
+    granted = {(r["apiGroups"][0], r["resources"][0], tuple(r["verbs"]))
+               for r in documents["Role"]["rules"]}  # fmt: skip
+    assert granted == {
+        ("discovery.k8s.io", "endpointslices", ("list",)),
+        ("pagoda.dev", "llmdeployments", ("list",)),
+    }
 
 
 def held_requests(client: httpx.Client) -> float:
