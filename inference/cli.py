@@ -1,6 +1,7 @@
 """``pagoda``: serve a model, benchmark it, or ask it one question.
 
   pagoda serve [MODEL] [--port 8000 ...]     OpenAI-compatible server (vLLM flag names)
+  pagoda router --backend [MODEL=]URL ...    one endpoint for many engines, prefix-aware
   pagoda bench throughput|latency|serve ...  the numbers people quote
   pagoda chat "question" [--model MODEL]     one answer through the offline API
   pagoda download URI DIR                    weights from hf://, s3:// or a folder into DIR
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     from inference.bench.throughput import add_throughput_args, run_throughput
     from inference.config import add_engine_args
     from inference.download import add_download_args
+    from inference.router.cli import add_router_args, run_router
     from inference.server.cli_serve import add_serve_args, run_serve
 
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__,
@@ -73,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     serve.set_defaults(func=run_serve)
+
+    router = sub.add_parser("router", help="OpenAI-compatible router in front of engines")
+    add_router_args(router).set_defaults(func=run_router)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_throughput_args(bench.add_parser("throughput", help="offline output tok/s")).set_defaults(

@@ -26,6 +26,7 @@ PACKAGES = ("inference", "kernels")
 # Layer 0 is the top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.cli",),  # the `pagoda` command: serve, chat, bench, download
+    ("inference.router",),  # `pagoda router`: HTTP in front of engines, never the engine itself
     ("inference.bench",),  # pagoda bench latency|throughput|serve
     ("inference.server",),  # the OpenAI-compatible HTTP API
     ("inference.async_engine",),  # the server's asyncio front of the engine process
@@ -230,3 +231,18 @@ def test_the_installed_package_never_imports_the_benchmarks():
 def test_the_order_says_what_it_should(module, target, allowed):
     """The declared order itself: a few imports it must refuse and allow."""
     assert (_layer(target) >= _layer(module)) is allowed
+
+
+# What the router may import of the package: itself, and the engine server's error shape
+# (FastAPI only). It reaches engines over HTTP, so it runs without torch or a model.
+ROUTER_MAY_IMPORT = ("inference.router", "inference.server.errors")
+
+
+def test_the_router_never_imports_the_engine():
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "inference" / "router").rglob("*.py"))
+        for line, target in _first_party_imports(path)
+        if not target.startswith(ROUTER_MAY_IMPORT)
+    ]
+    assert found == []

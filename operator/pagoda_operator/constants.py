@@ -38,6 +38,9 @@ EMBEDDED_MODEL = "default"
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_ENGINE_IMAGE = "ghcr.io/pagoda-dev/pagoda-engine:0.1.0"
 ENGINE_IMAGE_ENV = "PAGODA_ENGINE_IMAGE"
+# The Gateway API inference extension's endpoint picker (spec.routing.gateway), pinned.
+DEFAULT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.3.0"
+PICKER_IMAGE_ENV = "PAGODA_ENDPOINT_PICKER_IMAGE"
 ENGINE_USER_ID = 1000
 # "false" when the Helm chart's own ServiceMonitor already scrapes every engine.
 SERVICE_MONITORS_ENV = "PAGODA_SERVICE_MONITORS"

@@ -1,27 +1,34 @@
-"""The objects an LLMDeployment should own, as plain dicts: LLMDeployment in, manifests out.
-
-Each desired object carries the hash of its own content in an annotation, so the reconciler
-can tell "already as desired" from "needs an update" by comparing one string.
-"""
+"""The objects an LLMDeployment should own, as plain dicts: LLMDeployment in, manifests out
+(each with its config hash: see ``metadata``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import constants as c
+from pagoda_operator import gateway as gw
 from pagoda_operator.adapters import (
     ADAPTER_VOLUME,
     ADAPTERS_FOLDER,
     ADAPTERS_MOUNT_PATH,
     downloaded_adapters,
 )
+from pagoda_operator.autoscalers import (
+    desired_autoscaler,
+    desired_scaled_object,
+    desired_trigger_authentication,
+    prometheus_auth,
+)
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.metadata import (
+    common_labels,
+    finish,
+    selector_labels,
+)
 from pagoda_operator.model_cache import (
     KERNEL_CACHE_FOLDER,
     cache_claim_body,
@@ -32,7 +39,6 @@ from pagoda_operator.model_cache import (
     needs_cache,
 )
 from pagoda_operator.overrides import effective_spec
-from pagoda_operator.promql import engine_selector
 from pagoda_operator.spec import model_source, with_defaults
 
 MODEL_VOLUME = "model"
@@ -57,69 +63,6 @@ class MonitorSettings:
 DEFAULT_MONITOR = MonitorSettings()
 
 
-def selector_labels(name: str) -> dict[str, str]:
-    return {c.LABEL_NAME: c.ENGINE_APP_NAME, c.LABEL_OWNER: name}
-
-
-def selector_string(name: str) -> str:
-    """The pod selector in the string form the scale subresource reports."""
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
-
-
-def common_labels(name: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        c.LABEL_INSTANCE: name,
-        c.LABEL_COMPONENT: "inference",
-        c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
-    }
-
-
-def owner_reference(llmd: dict[str, Any]) -> dict[str, Any]:
-    """Makes the garbage collector delete the object together with its LLMDeployment."""
-    meta = llmd["metadata"]
-    return {
-        "apiVersion": c.API_VERSION,
-        "kind": c.KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def config_hash(obj: dict[str, Any]) -> str:
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def _finish(
-    llmd: dict[str, Any],
-    api_version: str,
-    kind: str,
-    body: dict[str, Any],
-    object_name: str = "",
-    annotations: dict[str, str] | None = None,
-    labels: dict[str, str] | None = None,
-) -> dict:
-    """Wraps a spec-level body into a complete object with metadata and its config hash."""
-    name = llmd["metadata"]["name"]
-    obj = {
-        "apiVersion": api_version,
-        "kind": kind,
-        "metadata": {
-            "name": object_name or name,
-            "namespace": llmd["metadata"]["namespace"],
-            "labels": labels or common_labels(name),
-            "annotations": dict(annotations or {}),
-            "ownerReferences": [owner_reference(llmd)],
-        },
-        **body,
-    }
-    obj["metadata"]["annotations"][c.ANNOTATION_CONFIG_HASH] = config_hash(obj)
-    return obj
-
-
 def desired_objects(
     llmd: dict[str, Any],
     *,
@@ -127,6 +70,7 @@ def desired_objects(
     default_image: str = c.DEFAULT_ENGINE_IMAGE,
     model_cached: bool = True,
     monitor: MonitorSettings = DEFAULT_MONITOR,
+    picker_image: str = c.DEFAULT_PICKER_IMAGE,
 ) -> list[dict[str, Any]]:
     """Everything this LLMDeployment should own right now, in the order to apply it: its
     spec with the tuner's overrides in force (see ``overrides``).
@@ -154,6 +98,9 @@ def desired_objects(
             objects.append(desired_autoscaler(llmd, spec))
     if service_monitor_api:
         objects.append(desired_service_monitor(llmd, monitor))
+    gateway = gw.gateway_spec(spec)
+    if gateway is not None:
+        objects += gw.desired_gateway(llmd, gateway, picker_image)
     return objects
 
 
@@ -215,8 +162,8 @@ def desired_model_cache(
         container_security_context(),
     )
     return [
-        _finish(llmd, "v1", "PersistentVolumeClaim", claim, cache_claim_name(name)),
-        _finish(llmd, "batch/v1", "Job", job, loader_job_name(name)),
+        finish(llmd, "v1", "PersistentVolumeClaim", claim, cache_claim_name(name)),
+        finish(llmd, "batch/v1", "Job", job, loader_job_name(name)),
     ]
 
 
@@ -245,7 +192,7 @@ def desired_deployment(
             },
         }
     }
-    return _finish(llmd, "apps/v1", "Deployment", body)
+    return finish(llmd, "apps/v1", "Deployment", body)
 
 
 def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
@@ -458,7 +405,7 @@ def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
             ],
         }
     }
-    return _finish(llmd, "v1", "Service", body, annotations=spec["service"].get("annotations"))
+    return finish(llmd, "v1", "Service", body, annotations=spec["service"].get("annotations"))
 
 
 def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:
@@ -476,7 +423,7 @@ def disruption_budget(spec: dict[str, Any]) -> dict[str, int] | None:
 def desired_pod_disruption_budget(llmd: dict[str, Any], budget: dict[str, int]) -> dict[str, Any]:
     name = llmd["metadata"]["name"]
     body = {"spec": {**budget, "selector": {"matchLabels": selector_labels(name)}}}
-    return _finish(llmd, "policy/v1", "PodDisruptionBudget", body)
+    return finish(llmd, "policy/v1", "PodDisruptionBudget", body)
 
 
 def desired_service_monitor(
@@ -506,121 +453,9 @@ def desired_service_monitor(
     # LLMDeployment's own); ours win a clash (the selector's).
     own = ((llmd.get("spec") or {}).get("monitoring") or {}).get("serviceMonitorLabels") or {}
     labels = {**monitor.labels, **own, **common_labels(name)}
-    return _finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
+    return finish(llmd, "monitoring.coreos.com/v1", "ServiceMonitor", body, labels=labels)
 
 
 def _pod_label_meta(label: str) -> str:
     """Prometheus's meta label for a pod label: every non-alphanumeric becomes '_'."""
     return "__meta_kubernetes_pod_label_" + "".join(ch if ch.isalnum() else "_" for ch in label)
-
-
-def desired_autoscaler(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """An HPA on the LLMDeployment's scale subresource, fed by the engine's queue metrics.
-
-    The metric names are the vLLM ones with ':' turned into '_', as a prometheus-adapter
-    rule exposes them through the custom metrics API.
-    """
-    autoscaling = spec["autoscaling"]
-    metrics = [_pods_metric("vllm_num_requests_waiting", str(autoscaling["targetRequestsWaiting"]))]
-    if autoscaling.get("targetKVCacheUsage") is not None:
-        usage_milli = round(float(autoscaling["targetKVCacheUsage"]) * 1000)
-        metrics.append(_pods_metric("vllm_kv_cache_usage_perc", f"{usage_milli}m"))
-    body = {
-        "spec": {
-            "scaleTargetRef": {
-                "apiVersion": c.API_VERSION,
-                "kind": c.KIND,
-                "name": llmd["metadata"]["name"],
-            },
-            "minReplicas": autoscaling["minReplicas"],
-            "maxReplicas": autoscaling["maxReplicas"],
-            "metrics": metrics,
-        }
-    }
-    return _finish(llmd, "autoscaling/v2", "HorizontalPodAutoscaler", body)
-
-
-KEDA_API_VERSION = "keda.sh/v1alpha1"
-
-
-def autoscaler_queries(namespace: str, name: str) -> dict[str, str]:
-    """The two load signals, summed over this LLMDeployment's engines: KEDA divides a sum
-    by the replica count (metricType AverageValue), as the HPA averages per pod."""
-    selector = engine_selector(namespace, name)
-    return {
-        "requests-waiting": f"sum(vllm:num_requests_waiting{{{selector}}})",
-        "kv-cache-usage": f"sum(vllm:kv_cache_usage_perc{{{selector}}})",
-    }
-
-
-def prometheus_auth(spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """The Secrets of ``spec.prometheus`` (bearer token, CA bundle) that are set."""
-    prometheus = spec.get("prometheus") or {}
-    return {
-        field: prometheus[field]
-        for field in ("bearerTokenSecretRef", "caSecretRef")
-        if prometheus.get(field)
-    }
-
-
-def desired_scaled_object(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """A KEDA ScaledObject on the LLMDeployment's scale subresource, with Prometheus
-    triggers on the same signals as the HPA; KEDA queries ``spec.prometheus.url`` itself,
-    so no prometheus-adapter is needed (vLLM production-stack scales the same way)."""
-    meta = llmd["metadata"]
-    autoscaling = spec["autoscaling"]
-    queries = autoscaler_queries(meta["namespace"], meta["name"])
-    targets = {"requests-waiting": str(autoscaling["targetRequestsWaiting"])}
-    if autoscaling.get("targetKVCacheUsage") is not None:
-        targets["kv-cache-usage"] = f"{float(autoscaling['targetKVCacheUsage']):g}"
-    auth = prometheus_auth(spec)
-    triggers = []
-    for signal, threshold in targets.items():
-        trigger: dict[str, Any] = {
-            "type": "prometheus",
-            "name": signal,
-            "metricType": "AverageValue",
-            "metadata": {
-                "serverAddress": spec["prometheus"]["url"],
-                "query": queries[signal],
-                "threshold": threshold,
-                # No engine reporting yet (all loading) is no load, not an error.
-                "ignoreNullValues": "true",
-            },
-        }
-        if "bearerTokenSecretRef" in auth:
-            trigger["metadata"]["authModes"] = "bearer"
-        if auth:
-            trigger["authenticationRef"] = {"name": meta["name"]}
-        triggers.append(trigger)
-    body = {
-        "spec": {
-            "scaleTargetRef": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"]},
-            "minReplicaCount": autoscaling["minReplicas"],
-            "maxReplicaCount": autoscaling["maxReplicas"],
-            "triggers": triggers,
-        }
-    }
-    return _finish(llmd, KEDA_API_VERSION, "ScaledObject", body)
-
-
-def desired_trigger_authentication(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """Hands the Secrets of ``spec.prometheus`` to KEDA's Prometheus triggers."""
-    parameters = {"bearerTokenSecretRef": "bearerToken", "caSecretRef": "ca"}
-    refs = [
-        {"parameter": parameters[field], "name": ref["name"], "key": ref["key"]}
-        for field, ref in prometheus_auth(spec).items()
-    ]
-    return _finish(
-        llmd, KEDA_API_VERSION, "TriggerAuthentication", {"spec": {"secretTargetRef": refs}}
-    )
-
-
-def _pods_metric(name: str, average_value: str) -> dict[str, Any]:
-    return {
-        "type": "Pods",
-        "pods": {
-            "metric": {"name": name},
-            "target": {"type": "AverageValue", "averageValue": average_value},
-        },
-    }

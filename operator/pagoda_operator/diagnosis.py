@@ -40,6 +40,7 @@ class Findings:
     # (reason, message) of what the cache claim cannot follow; None without a claim.
     claim_problems: list[Problem] | None = None
     autoscaling: Problem | None = None  # an autoscaler the cluster cannot run
+    gateway: Problem | None = None  # spec.routing.gateway the cluster cannot take
     metrics: dict[str, str] | None = None  # the MetricsScraped condition, when checked
 
 

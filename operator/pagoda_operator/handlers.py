@@ -70,6 +70,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         settings.watching.label_selectors[group, version, plural] = MANAGED_SELECTOR
     memo.client = KubeClient(lambda: connection_info(settings))
     memo.default_image = os.environ.get(c.ENGINE_IMAGE_ENV, c.DEFAULT_ENGINE_IMAGE)
+    memo.picker_image = os.environ.get(c.PICKER_IMAGE_ENV) or c.DEFAULT_PICKER_IMAGE
     memo.service_monitors = os.environ.get(c.SERVICE_MONITORS_ENV, "true").lower() != "false"
     memo.monitor = MonitorSettings(
         labels=json.loads(os.environ.get(c.SERVICE_MONITOR_LABELS_ENV) or "{}"),
@@ -104,6 +105,7 @@ async def reconcile_llmdeployment(
         plain(body),
         emit=event_emitter(body),
         default_image=memo.default_image,
+        picker_image=memo.picker_image,
         service_monitors=memo.service_monitors,
         monitor=memo.monitor,
         logger=logger,
@@ -144,6 +146,7 @@ async def owned_object_changed(
             llmd,
             emit=event_emitter(llmd),
             default_image=memo.default_image,
+            picker_image=memo.picker_image,
             service_monitors=memo.service_monitors,
             monitor=memo.monitor,
             logger=logger,
@@ -193,6 +196,7 @@ async def recheck_loop(memo: kopf.Memo) -> None:
                     llmd,
                     emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
                     default_image=memo.default_image,
+                    picker_image=memo.picker_image,
                     service_monitors=memo.service_monitors,
                     monitor=memo.monitor,
                     logger=logger,
@@ -272,6 +276,7 @@ async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
             current,
             emit=emit,
             default_image=memo.default_image,
+            picker_image=memo.picker_image,
             service_monitors=memo.service_monitors,
             monitor=memo.monitor,
             logger=logger,

@@ -30,6 +30,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentications",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "ConfigMap"): "configmaps",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (c.API_VERSION, c.KIND): c.PLURAL,
 }
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 
-from pagoda_operator.desired import selector_labels
 from pagoda_operator.diagnosis import claim_pending, pod_problem
 from pagoda_operator.kube import KubeClient, KubeError, collection_path
+from pagoda_operator.metadata import selector_labels
 from pagoda_operator.metrics import (
     scraped_condition,
     series_query,

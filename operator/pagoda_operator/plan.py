@@ -2,36 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagoda_operator import constants as c
+from pagoda_operator.gateway import POOL_API_VERSION, picker_name
 from pagoda_operator.model_cache import cache_claim_name, loader_job_name
 
-# Every kind an LLMDeployment may own; kinds missing from the desired set get deleted.
-OWNED_KINDS: tuple[tuple[str, str], ...] = (
-    ("v1", "PersistentVolumeClaim"),
-    ("batch/v1", "Job"),
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("keda.sh/v1alpha1", "TriggerAuthentication"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
+# Every object an LLMDeployment may own, as (apiVersion, kind, its name for an
+# LLMDeployment's name); owned objects missing from the desired set get deleted.
+NameOf = Callable[[str], str]
+OWNED: tuple[tuple[str, str, NameOf], ...] = (
+    ("v1", "PersistentVolumeClaim", cache_claim_name),
+    ("batch/v1", "Job", loader_job_name),
+    ("apps/v1", "Deployment", str),
+    ("v1", "Service", str),
+    ("policy/v1", "PodDisruptionBudget", str),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", str),
+    ("monitoring.coreos.com/v1", "ServiceMonitor", str),
+    ("keda.sh/v1alpha1", "TriggerAuthentication", str),
+    ("keda.sh/v1alpha1", "ScaledObject", str),
+    # spec.routing.gateway: the endpoint picker, then the InferencePool naming it.
+    ("v1", "ServiceAccount", picker_name),
+    ("rbac.authorization.k8s.io/v1", "Role", picker_name),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", picker_name),
+    ("v1", "ConfigMap", picker_name),
+    ("apps/v1", "Deployment", picker_name),
+    ("v1", "Service", picker_name),
+    (POOL_API_VERSION, "InferencePool", str),
 )
-
-# Kinds named after their LLMDeployment with a suffix; the rest carry its name as it is.
-OWNED_NAMES = {"PersistentVolumeClaim": cache_claim_name, "Job": loader_job_name}
 # Kinds whose spec cannot change in place: an update deletes and creates them again.
 REPLACED_KINDS = ("Job",)
 
 Verb = Literal["create", "update", "replace", "delete", "conflict"]
+ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
 
 
-def owned_name(kind: str, name: str) -> str:
-    """The name of the object of ``kind`` that the LLMDeployment ``name`` owns."""
-    return OWNED_NAMES[kind](name) if kind in OWNED_NAMES else name
+def owned_keys(name: str) -> list[ObjectKey]:
+    """The key of every object the LLMDeployment ``name`` may own."""
+    return [(api_version, kind, name_of(name)) for api_version, kind, name_of in OWNED]
+
+
+def object_key(obj: dict[str, Any]) -> ObjectKey:
+    return (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
 
 
 PAST_TENSE = {"create": "Created", "update": "Updated", "replace": "Replaced", "delete": "Deleted"}
@@ -69,39 +83,36 @@ def stored_hash(obj: dict[str, Any] | None) -> str | None:
 
 def plan_actions(
     desired: list[dict[str, Any]],
-    existing: dict[tuple[str, str], dict[str, Any] | None],
+    existing: dict[ObjectKey, dict[str, Any] | None],
     owner_uid: str,
 ) -> list[Action]:
     """Creates, updates and deletes that bring ``existing`` to ``desired``.
 
-    ``existing`` maps each owned (apiVersion, kind) to the object found under the
-    LLMDeployment's name, or None. An object of that name that this LLMDeployment does not
-    own is never touched: the plan is then the conflicts alone.
+    ``existing`` maps each owned (apiVersion, kind, name) to the object found, or None.
+    An object of that name that this LLMDeployment does not own is never touched: the plan
+    is then the conflicts alone.
     """
     actions: list[Action] = []
     conflicts: list[Action] = []
-    desired_kinds = {(obj["apiVersion"], obj["kind"]) for obj in desired}
+    desired_keys = {object_key(obj) for obj in desired}
     for obj in desired:
-        key = (obj["apiVersion"], obj["kind"])
-        name = obj["metadata"]["name"]
+        key = object_key(obj)
         current = existing.get(key)
         if current is None:
-            actions.append(Action("create", *key, name, obj))
+            actions.append(Action("create", *key, obj))
         elif not is_owned_by(current, owner_uid):
-            conflicts.append(Action("conflict", *key, name, current))
+            conflicts.append(Action("conflict", *key, current))
         elif stored_hash(current) != stored_hash(obj):
             verb: Verb = "replace" if obj["kind"] in REPLACED_KINDS else "update"
-            actions.append(Action(verb, *key, name, obj, describe_update(current, obj)))
+            actions.append(Action(verb, *key, obj, describe_update(current, obj)))
         elif drift := drifted_paths(current, obj):
             # Edited by hand (or by another controller) since the operator applied it.
             verb = "replace" if obj["kind"] in REPLACED_KINDS else "update"
             detail = "restored " + ", ".join(drift[:5])
-            actions.append(Action(verb, *key, name, obj, detail))
-    for key in OWNED_KINDS:
-        current = existing.get(key)
-        if key not in desired_kinds and current is not None and is_owned_by(current, owner_uid):
-            name = current["metadata"]["name"]
-            actions.append(Action("delete", *key, name, current, "no longer needed"))
+            actions.append(Action(verb, *key, obj, detail))
+    for key, current in existing.items():
+        if key not in desired_keys and current is not None and is_owned_by(current, owner_uid):
+            actions.append(Action("delete", *key, current, "no longer needed"))
     return conflicts or actions
 
 

@@ -16,22 +16,25 @@ import aiohttp
 import kopf
 
 from pagoda_operator import constants as c
-from pagoda_operator.desired import (
-    DEFAULT_MONITOR,
-    KEDA_API_VERSION,
-    MonitorSettings,
-    desired_objects,
-)
+from pagoda_operator.autoscalers import KEDA_API_VERSION
+from pagoda_operator.desired import DEFAULT_MONITOR, MonitorSettings, desired_objects
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
+from pagoda_operator.gateway import PICKER_APP_NAME, POOL_API_VERSION, gateway_spec
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
 from pagoda_operator.metrics import due as metrics_due
-from pagoda_operator.model_cache import LOADER_JOB_LABEL, CacheState, cache_state
+from pagoda_operator.model_cache import (
+    LOADER_JOB_LABEL,
+    CacheState,
+    cache_claim_name,
+    cache_state,
+    loader_job_name,
+)
 from pagoda_operator.observe import cache_claim_pending, engine_pod_problem, metrics_finding
 from pagoda_operator.plan import (
-    OWNED_KINDS,
     Action,
+    ObjectKey,
     is_owned_by,
-    owned_name,
+    owned_keys,
     plan_actions,
     stored_hash,
 )
@@ -68,6 +71,7 @@ async def reconcile(
     logger: logging.Logger,
     service_monitors: bool = True,
     monitor: MonitorSettings = DEFAULT_MONITOR,
+    picker_image: str = c.DEFAULT_PICKER_IMAGE,
 ) -> dict[str, Any]:
     """Brings the owned objects to the spec and records the outcome in the status.
 
@@ -95,7 +99,13 @@ async def reconcile(
         )
     try:
         applied = await apply_owned_objects(
-            client, llmd, emit, default_image, service_monitors=service_monitors, monitor=monitor
+            client,
+            llmd,
+            emit,
+            default_image,
+            service_monitors=service_monitors,
+            monitor=monitor,
+            picker_image=picker_image,
         )
     except KubeError as error:
         if error.retryable:
@@ -173,18 +183,21 @@ async def apply_owned_objects(
     *,
     service_monitors: bool,
     monitor: MonitorSettings = DEFAULT_MONITOR,
+    picker_image: str = c.DEFAULT_PICKER_IMAGE,
 ) -> Applied:
     """Creates, updates and deletes owned objects; returns the Deployment as it is now, the
     model cache's state, and whether the Deployment's update waits for the cache."""
-    namespace = llmd["metadata"]["namespace"]
+    namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
+    spec = with_defaults(llmd.get("spec") or {})
     served = ServedApis(
         service_monitors=service_monitors
         and await client.serves("monitoring.coreos.com/v1", "servicemonitors"),
         keda=await client.serves(KEDA_API_VERSION, "scaledobjects"),
+        # Asked even when unwanted: a pool left from an earlier spec is deleted.
+        inference_pools=await client.serves(POOL_API_VERSION, "inferencepools"),
     )
     existing = await read_existing(client, llmd, served)
-    live_claim = existing[("v1", "PersistentVolumeClaim")]
-    spec = with_defaults(llmd.get("spec") or {})
+    live_claim = existing[("v1", "PersistentVolumeClaim", cache_claim_name(name))]
 
     def render(model_cached: bool) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         rendered = desired_objects(
@@ -193,30 +206,34 @@ async def apply_owned_objects(
             default_image=default_image,
             model_cached=model_cached,
             monitor=monitor,
+            picker_image=picker_image,
         )
-        return settled_objects(rendered, live_claim, spec, keda_api=served.keda)
+        return settled_objects(rendered, live_claim, spec, served)
 
     desired, claim_problems = render(model_cached=True)
-    cache = await model_cache_state(client, desired, existing.get(("batch/v1", "Job")))
+    loader = existing.get(("batch/v1", "Job", loader_job_name(name)))
+    cache = await model_cache_state(client, desired, loader)
     if cache is not None and not cache.ready:
         desired, claim_problems = render(model_cached=False)
     actions = plan_actions(desired, existing, llmd["metadata"]["uid"])
     held = False
     if cache is not None and not cache.ready:
         # Whatever serves now keeps serving until the new weights are in the cache.
-        held = any(a.kind == "Deployment" and a.verb == "update" for a in actions)
-        actions = [a for a in actions if not (a.kind == "Deployment" and a.verb == "update")]
+        engine_update = ("update", "apps/v1", "Deployment", name)
+        held = any((a.verb, a.api_version, a.kind, a.name) == engine_update for a in actions)
+        actions = [a for a in actions if (a.verb, a.api_version, a.kind, a.name) != engine_update]
     conflicts = [action for action in actions if action.verb == "conflict"]
     if conflicts:
         messages = "; ".join(action.event_message for action in conflicts)
         emit("Warning", "NameConflict", messages)
         raise NameConflictError(messages)
     deployment, refused = await carry_out_actions(
-        client, actions, namespace, emit, existing[("apps/v1", "Deployment")]
+        client, actions, name, namespace, emit, existing[("apps/v1", "Deployment", name)]
     )
     findings = Findings(
         claim_problems=claim_problems + refused if cache is not None else None,
         autoscaling=await autoscaling_problem(client, spec, served.keda),
+        gateway=gateway_problem(spec, served.inference_pools),
     )
     monitor_labels = next(
         (obj["metadata"]["labels"] for obj in desired if obj["kind"] == "ServiceMonitor"),
@@ -231,24 +248,31 @@ class ServedApis:
 
     service_monitors: bool
     keda: bool
+    inference_pools: bool = False
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        if kind == "ServiceMonitor":
+            return self.service_monitors
+        if api_version == KEDA_API_VERSION:
+            return self.keda
+        if api_version == POOL_API_VERSION:
+            return self.inference_pools
+        return True
 
 
 async def read_existing(
     client: KubeClient, llmd: dict[str, Any], served: ServedApis
 ) -> dict[tuple[str, str], dict[str, Any] | None]:
-    """Each owned kind's object under the LLMDeployment's name, None where there is none
-    (or the cluster does not serve the kind)."""
+    """Each object the LLMDeployment may own, None where there is none (or the cluster
+    does not serve its kind)."""
     namespace, name = llmd["metadata"]["namespace"], llmd["metadata"]["name"]
-    existing: dict[tuple[str, str], dict[str, Any] | None] = {}
-    for api_version, kind in OWNED_KINDS:
-        if (kind == "ServiceMonitor" and not served.service_monitors) or (
-            api_version == KEDA_API_VERSION and not served.keda
-        ):
-            existing[(api_version, kind)] = None
+    existing: dict[ObjectKey, dict[str, Any] | None] = {}
+    for key in owned_keys(name):
+        api_version, kind, object_name = key
+        if not served.serves(api_version, kind):
+            existing[key] = None
             continue
-        existing[(api_version, kind)] = await client.get(
-            object_path(api_version, kind, namespace, owned_name(kind, name))
-        )
+        existing[key] = await client.get(object_path(api_version, kind, namespace, object_name))
     return existing
 
 
@@ -256,15 +280,17 @@ def settled_objects(
     desired: list[dict[str, Any]],
     live_claim: dict[str, Any] | None,
     spec: dict[str, Any],
-    *,
-    keda_api: bool,
+    served: ServedApis,
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """``desired`` as the cluster can take it: no KEDA objects without KEDA (an absent
-    optional integration is a condition, never a reason to hold the engines), and the cache
-    claim with the live claim's immutable fields; plus what the claim cannot follow."""
+    """``desired`` as the cluster can take it: no KEDA objects without KEDA, and no
+    InferencePool nor endpoint picker without the InferencePool API (an absent optional
+    integration is a condition, never a reason to hold the engines), and the cache claim
+    with the live claim's immutable fields; plus what the claim cannot follow."""
     result, problems = [], []
     for obj in desired:
-        if obj["apiVersion"] == KEDA_API_VERSION and not keda_api:
+        if obj["apiVersion"] == KEDA_API_VERSION and not served.keda:
+            continue
+        if is_gateway_object(obj) and not served.inference_pools:
             continue
         if obj["kind"] == "PersistentVolumeClaim":
             settled = settle_claim(obj, live_claim, spec)
@@ -276,6 +302,7 @@ def settled_objects(
 async def carry_out_actions(
     client: KubeClient,
     actions: list[Action],
+    name: str,
     namespace: str,
     emit: EmitEvent,
     deployment: dict[str, Any] | None,
@@ -293,7 +320,7 @@ async def carry_out_actions(
             refused.append(("ApplyFailed", f"the API server refused it: {error.message}"))
             continue
         emit("Normal", action.event_reason, action.event_message)
-        if action.kind == "Deployment":
+        if (action.kind, action.name) == ("Deployment", name):  # the engines', not the picker's
             deployment = result
     return deployment, refused
 
@@ -326,6 +353,24 @@ async def autoscaling_problem(
             "manifests/autoscaling/prometheus-adapter-values.yaml to the prometheus-adapter"
         )
     return None
+
+
+def is_gateway_object(obj: dict[str, Any]) -> bool:
+    """The InferencePool and everything of its endpoint picker (labelled as the picker)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return obj["kind"] == "InferencePool" or labels.get(c.LABEL_NAME) == PICKER_APP_NAME
+
+
+def gateway_problem(spec: dict[str, Any], pools_served: bool) -> tuple[str, str] | None:
+    """Why spec.routing.gateway cannot take effect in this cluster, if it cannot."""
+    if gateway_spec(spec) is None or pools_served:
+        return None
+    return "MissingAPI", (
+        f"spec.routing.gateway is set, but the cluster serves no {POOL_API_VERSION} "
+        "InferencePools: install the Gateway API inference extension's CRDs (the "
+        "InferencePool and its endpoint picker are created once they are there); "
+        "meanwhile the engines serve through their Service as usual"
+    )
 
 
 async def model_cache_state(

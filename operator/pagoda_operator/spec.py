@@ -349,8 +349,13 @@ def _replica_errors(spec: dict[str, Any]) -> list[str]:
         errors.append(f"spec.replicas: must be >= 0 (got {replicas})")
     autoscaling = spec.get("autoscaling") or {}
     low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
-    if not _is_int(low) or low < 1:
-        errors.append(f"spec.autoscaling.minReplicas: must be >= 1 (got {low})")
+    if not _is_int(low) or low < 0:
+        errors.append(f"spec.autoscaling.minReplicas: must be >= 0 (got {low})")
+    elif low == 0 and autoscaling.get("backend") != "KEDA":
+        errors.append(
+            "spec.autoscaling.minReplicas: 0 needs the KEDA backend (a "
+            "HorizontalPodAutoscaler does not scale to zero)"
+        )
     elif _is_int(high) and low > high:
         errors.append(f"spec.autoscaling: minReplicas must be <= maxReplicas ({low} > {high})")
     backend = autoscaling.get("backend")

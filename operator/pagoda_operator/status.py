@@ -9,8 +9,10 @@ import dataclasses
 import datetime
 from typing import Any
 
-from pagoda_operator.desired import effective_replicas, selector_string
+from pagoda_operator.desired import effective_replicas
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
+from pagoda_operator.gateway import gateway_spec
+from pagoda_operator.metadata import selector_string
 from pagoda_operator.model_cache import CacheState
 from pagoda_operator.overrides import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, effective_spec
 
@@ -20,6 +22,7 @@ DEGRADED = "Degraded"
 MODEL_CACHED = "ModelCached"
 MODEL_CACHE_SYNCED = "ModelCacheSynced"  # the cache claim follows spec.model.cache
 AUTOSCALING_READY = "AutoscalingReady"  # the autoscaler the spec asks for can run here
+GATEWAY_READY = "GatewayReady"  # spec.routing.gateway's InferencePool can exist here
 CONDITION_TYPES = (
     AVAILABLE,
     PROGRESSING,
@@ -27,6 +30,7 @@ CONDITION_TYPES = (
     MODEL_CACHED,
     MODEL_CACHE_SYNCED,
     AUTOSCALING_READY,
+    GATEWAY_READY,
 )
 
 # Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
@@ -156,6 +160,7 @@ def workload_status(
             )
         phase, current = _with_model_cache(phase, current, cache, counts["ready"], desired)
     current += _integration_conditions(findings, bool(spec["autoscaling"]["enabled"]))
+    current += _gateway_conditions(findings, gateway_spec(spec) is not None)
     generation = meta.get("generation")
     applied = generation if applied_generation is None else applied_generation
     current = [
@@ -182,6 +187,9 @@ def workload_status(
         "modelName": (spec.get("model") or {}).get("servedModelName")
         or (spec.get("model") or {}).get("name"),
         "serviceName": meta["name"],
+        "coldStart": cold_start(
+            previous.get("coldStart"), previous.get("phase"), desired, counts["ready"], now
+        ),
         # None removes a record left from an earlier download source (merge patch).
         "modelCache": cache.status(spec, meta["name"]) if cache is not None else None,
         # What the engines are told to run: the spec with the tuner's overrides.
@@ -209,6 +217,34 @@ def _integration_conditions(findings: Findings, autoscaled: bool) -> list[dict[s
     elif autoscaled:
         result.append(condition(AUTOSCALING_READY, True, "AsExpected", "The autoscaler can run"))
     return result
+
+
+def cold_start(
+    previous: dict[str, Any] | None, previous_phase: str | None, desired: int, ready: int, now: str
+) -> dict[str, Any] | None:
+    """``status.coldStart``: a start from zero replicas begins when replicas are wanted
+    after ScaledToZero and ends at the first ready replica, whose wait it records."""
+    record = {k: v for k, v in (previous or {}).items() if v is not None}
+    if desired > 0 and ready == 0 and previous_phase == "ScaledToZero":
+        record.setdefault("startedAt", now)
+    if ready >= 1 and record.get("startedAt"):
+        parse = datetime.datetime.fromisoformat
+        started = parse(record["startedAt"].replace("Z", "+00:00"))
+        waited = parse(now.replace("Z", "+00:00")) - started
+        # None removes startedAt in the merge patch of the status.
+        record.update(startedAt=None, lastSeconds=round(waited.total_seconds(), 1),
+                      lastReadyAt=now)  # fmt: skip
+    return record or None
+
+
+def _gateway_conditions(findings: Findings, gateway: bool) -> list[dict[str, str]]:
+    """GatewayReady, with spec.routing.gateway set."""
+    if findings.gateway is not None:
+        return [condition(GATEWAY_READY, False, *findings.gateway)]
+    if gateway:
+        message = "The InferencePool and its endpoint picker are applied"
+        return [condition(GATEWAY_READY, True, "AsExpected", message)]
+    return []
 
 
 def _with_model_cache(
@@ -330,8 +366,9 @@ def needs_recheck(llmd: dict[str, Any]) -> bool:
     if status.get("phase") not in (AVAILABLE, "ScaledToZero"):
         return True
     by_type = {cond.get("type"): cond for cond in status.get("conditions") or []}
-    if (by_type.get(AUTOSCALING_READY) or {}).get("status") == "False":
-        return True  # KEDA or the adapter may have been installed since
+    integrations = (AUTOSCALING_READY, GATEWAY_READY)
+    if "False" in {(by_type.get(kind) or {}).get("status") for kind in integrations}:
+        return True  # KEDA, the adapter or the InferencePool CRD may have been installed since
     if not ((llmd.get("spec") or {}).get("prometheus") or {}).get("url"):
         return False
     return (by_type.get("MetricsScraped") or {}).get("status") != "True"

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_operator import constants as c
-from pagoda_operator.desired import config_hash, replicas_ceiling
+from pagoda_operator.desired import replicas_ceiling
+from pagoda_operator.metadata import config_hash
 
 IMMUTABLE = "ImmutableField"
 # Binary and decimal suffixes of Kubernetes quantities, as multiples of a byte.

@@ -119,9 +119,11 @@ def list_type_errors(schema: dict[str, Any], value: Any, path: str = "") -> list
     return errors
 
 
-def validation_errors(crd: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+def validation_errors(
+    crd: dict[str, Any], obj: dict[str, Any], version: str = "v1alpha1"
+) -> list[str]:
     """Every reason the API server would refuse ``obj``; empty when it would accept it."""
-    schema = version_schema(crd)
+    schema = version_schema(crd, version)
     defaulted = apply_defaults(schema, obj)
     validator = jsonschema.Draft202012Validator(to_json_schema(schema))
     errors = [

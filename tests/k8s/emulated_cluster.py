@@ -259,6 +259,10 @@ class EmulatedCluster:
 
         self._run(_add())
 
+    def served_resources(self) -> set[str]:
+        assert self.emulator is not None
+        return set(self.emulator.resources)
+
     @property
     def url(self) -> str:
         assert self.server is not None

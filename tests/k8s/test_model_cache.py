@@ -12,7 +12,7 @@ from pagoda_operator import constants as c
 from pagoda_operator.desired import desired_objects
 from pagoda_operator.engine_args import serve_args
 from pagoda_operator.model_cache import cache_folder, cache_state
-from pagoda_operator.plan import plan_actions
+from pagoda_operator.plan import object_key, plan_actions
 from pagoda_operator.spec import validate_spec, with_defaults
 from pagoda_operator.status import model_cache_event, workload_status
 from pagoda_operator.storage import settle_claim
@@ -282,7 +282,7 @@ def test_a_new_revision_keeps_the_serving_deployment_until_cached() -> None:
     existing_objects = objects(old)
     for obj in existing_objects.values():
         obj["metadata"]["ownerReferences"][0]["uid"] = "uid-1"
-    existing = {(o["apiVersion"], o["kind"]): o for o in existing_objects.values()}
+    existing = {object_key(o): o for o in existing_objects.values()}
     actions = plan_actions(
         desired_objects(new, service_monitor_api=False, model_cached=False), existing, "uid-1"
     )

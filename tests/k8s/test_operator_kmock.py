@@ -573,6 +573,60 @@ def requested_permission(
     return group, resource, verb
 
 
+POOLS_RESOURCE = "inference.networking.k8s.io/v1/inferencepools"
+
+
+def pool_path(namespace: str, name: str) -> str:
+    return f"/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools/{name}"
+
+
+def exercise_gateway(cluster: EmulatedCluster, namespace: str, name: str) -> None:
+    """spec.routing.gateway on an LLMDeployment with the InferencePool API served: the pool
+    and its endpoint picker appear, and go again when the gateway is turned off."""
+    cluster.serve_resource(POOLS_RESOURCE, "InferencePool")
+    cluster.patch(llmd_path(namespace, name), {"spec": {"routing": {"gateway": {}}}})
+    pool = wait_for(lambda: cluster.get(pool_path(namespace, name)), what="InferencePool")
+    assert pool["spec"]["endpointPickerRef"]["name"] == f"{name}-epp"
+    wait_for(lambda: cluster.get(deployment_path(namespace, f"{name}-epp")), what="picker")
+    cluster.patch(llmd_path(namespace, name), {"spec": {"routing": None}})
+    wait_for(lambda: cluster.get(pool_path(namespace, name)) is None, what="pool deleted")
+    wait_for(
+        lambda: cluster.get(deployment_path(namespace, f"{name}-epp")) is None,
+        what="picker deleted",
+    )
+
+
+def test_gateway_routing_waits_for_the_inference_pool_api(cluster: EmulatedCluster) -> None:
+    """Without the extension's CRD the engines serve and the status says what is missing;
+    once the CRD is there the next pass creates the pool and its picker (a spec change here;
+    the periodic recheck otherwise: tests/k8s/test_gateway_objects.py)."""
+    namespace, name = "gateway", "chat"
+    spec = {"routing": {"gateway": {}}}
+    if POOLS_RESOURCE not in cluster.served_resources():
+        cluster.create(llmd_path(namespace), make_llmd(namespace, name, **spec))
+        status = wait_for(
+            lambda: (s := llmd_status(cluster, namespace, name))
+            and condition(s, "GatewayReady").get("status") == "False"
+            and s,
+            what="GatewayReady False",
+        )
+        assert condition(status, "GatewayReady")["reason"] == "MissingAPI"
+        assert cluster.get(deployment_path(namespace, name)) is not None
+        cluster.serve_resource(POOLS_RESOURCE, "InferencePool")
+        picker = {"endpointPicker": {"failureMode": "FailOpen"}}
+        cluster.patch(llmd_path(namespace, name), {"spec": {"routing": {"gateway": picker}}})
+    else:
+        cluster.create(llmd_path(namespace), make_llmd(namespace, name, **spec))
+    wait_for(lambda: cluster.get(pool_path(namespace, name)), what="InferencePool")
+    wait_for(
+        lambda: condition(llmd_status(cluster, namespace, name), "GatewayReady").get("status")
+        == "True",
+        what="GatewayReady True",
+    )
+    service = wait_for(lambda: cluster.get(service_path(namespace, f"{name}-epp")), what="EPP")
+    assert service["spec"]["ports"][0]["port"] == 9002
+
+
 def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     """Creates, updates and deletes each optional kind once, so the RBAC check below sees
     every call the operator can make, even when this test runs on its own."""
@@ -590,6 +644,7 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     )
     wait_for(lambda: cluster.get(hpa_path) is None, what="HPA deleted")
     wait_for(lambda: cluster.get(pdb_path(namespace, name)) is None, what="PDB deleted")
+    exercise_gateway(cluster, namespace, name)
     # A download source: cache claim and loader Job; a new revision replaces the Job and
     # grows the claim; another kind of source removes both.
     model = {"name": "m", "source": {"uri": "s3://models/m"}}
@@ -655,12 +710,21 @@ def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> N
     # listing Prometheus objects, which needs engines Ready for minutes with no series in a
     # Prometheus (tests/k8s/test_diagnosis.py decides from what that list returns), and
     # updating LLMDeployment finalizers: no call makes it, the API server's owner-reference
-    # admission checks it (tests/k8s/test_helm.py).
+    # admission checks it (tests/k8s/test_helm.py); and what the endpoint picker's Role grants.
     never_exercised = {
         ("monitoring.coreos.com", "servicemonitors", "delete"),
         ("", "secrets", "get"),
         ("monitoring.coreos.com", "prometheuses", "list"),
         ("pagoda.dev", "llmdeployments/finalizers", "update"),
+        # Held only to grant them to the endpoint picker's Role (RBAC's escalation check).
+        ("", "pods", "get"),
+        ("inference.networking.k8s.io", "inferencepools", "list"),
+        ("inference.networking.k8s.io", "inferencepools", "watch"),
+        *(
+            ("inference.networking.x-k8s.io", resource, verb)
+            for resource in ("inferenceobjectives", "inferencemodelrewrites")
+            for verb in ("get", "list", "watch")
+        ),
     }
     assert granted - used <= never_exercised, sorted(granted - used - never_exercised)
 

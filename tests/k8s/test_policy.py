@@ -7,14 +7,16 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagoda_operator import constants as c
-from pagoda_operator.desired import (
-    desired_objects,
-    effective_replicas,
-    owner_reference,
-    selector_string,
-)
+from pagoda_operator.desired import desired_objects, effective_replicas
 from pagoda_operator.engine_args import gpu_count, serve_args
-from pagoda_operator.plan import describe_flag_changes, parse_flags, plan_actions
+from pagoda_operator.metadata import owner_reference, selector_string
+from pagoda_operator.plan import (
+    ObjectKey,
+    describe_flag_changes,
+    object_key,
+    parse_flags,
+    plan_actions,
+)
 from pagoda_operator.spec import validate_spec, with_defaults
 from pagoda_operator.status import (
     merge_conditions,
@@ -323,8 +325,8 @@ def test_config_hash_changes_with_the_spec_only() -> None:
 # --- plan -----------------------------------------------------------------------------------
 
 
-def existing_from(desired: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any] | None]:
-    return {(o["apiVersion"], o["kind"]): o for o in desired}
+def existing_from(desired: list[dict[str, Any]]) -> dict[ObjectKey, dict[str, Any] | None]:
+    return {object_key(o): o for o in desired}
 
 
 def test_plan_creates_what_is_missing() -> None:
@@ -361,7 +363,7 @@ def test_plan_never_touches_objects_owned_by_someone_else() -> None:
         "kind": "Service",
         "metadata": {"name": "qwen", "ownerReferences": []},
     }
-    actions = plan_actions(desired, {("v1", "Service"): foreign}, "uid-1")
+    actions = plan_actions(desired, {("v1", "Service", "qwen"): foreign}, "uid-1")
     assert [(a.verb, a.kind) for a in actions] == [("conflict", "Service")]
 
 

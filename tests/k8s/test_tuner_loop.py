@@ -102,6 +102,7 @@ def test_tuner_window_applies_through_reconcile_with_the_operators_settings(
         client=client,
         tuner_events=set(),
         default_image="engine:1",
+        picker_image="epp:1",
         service_monitors=False,
         monitor=monitor,
     )

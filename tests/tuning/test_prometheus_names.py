@@ -21,7 +21,7 @@ import httpx
 import pytest
 from k8s.emulated_cluster import wait_for
 from k8s.test_autoscalers import adapter_queries
-from pagoda_operator.desired import autoscaler_queries
+from pagoda_operator.autoscalers import autoscaler_queries
 from pagoda_operator.tuning.prometheus import PrometheusEndpoint, observe, snapshot_queries
 from prometheus_process import running_prometheus
 

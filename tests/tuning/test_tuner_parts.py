@@ -287,6 +287,16 @@ def test_runner_applies_in_auto_mode_as_an_override_not_in_the_spec() -> None:
     assert events[0][1] == "TuningApplied"
 
 
+def test_the_tuner_leaves_a_deployment_at_zero_replicas_alone() -> None:
+    """Scaled to zero (autoscaling.minReplicas 0): nothing is observed, decided or written."""
+    earlier = {"mode": "Auto", "decisions": []}
+    observation = Observation(QUEUED_WITH_FREE_KV)
+    status = {"phase": "ScaledToZero", "tuning": earlier}
+    tuning, api, events, applied = run_window("Auto", observation, status)
+    assert tuning == earlier
+    assert [c[0] for c in api.calls] == ["GET"] and events == [] and applied == []
+
+
 def test_a_conflicting_write_is_decided_again_from_a_fresh_read() -> None:
     """Another write lands between the tuner's read and its write (here: the tuner's own
     previous window, recording the change it is watching). The write from the stale read is

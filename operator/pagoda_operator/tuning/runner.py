@@ -88,6 +88,10 @@ async def tune(
     fresh = await client.get(path)
     if fresh is None or _tuning_off(fresh):
         return None  # gone, off, or an invalid spec (reconcile's to report)
+    if (fresh.get("status") or {}).get("phase") == "ScaledToZero":
+        # No engine runs (autoscaling.minReplicas 0): no window to measure or judge, and a
+        # knob moved now would be judged on the cold start that follows.
+        return (fresh.get("status") or {}).get("tuning")
     meta, spec = fresh["metadata"], with_defaults(fresh.get("spec") or {})
     try:
         endpoint = await prometheus_endpoint(client, meta["namespace"], spec["prometheus"])
