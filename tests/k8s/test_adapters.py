@@ -245,7 +245,7 @@ def test_adding_an_adapter_holds_the_serving_deployment_until_cached() -> None:
     new --lora-modules) until the Job has delivered it, as for a new model revision."""
     old, new = llmd([SQL], replicas=2), llmd([SQL, CHAT], replicas=2)
     assert job_hash(old) != job_hash(new)
-    existing = {(o["apiVersion"], o["kind"]): o for o in objects(old).values()}
+    existing = {(o["apiVersion"], o["kind"], o["metadata"]["name"]): o for o in objects(old).values()}
     actions = plan_actions(
         desired_objects(new, service_monitor_api=False, model_cached=False), existing, "uid-1"
     )
