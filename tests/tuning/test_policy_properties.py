@@ -63,6 +63,22 @@ def noisy(mean: Snapshot, rng: random.Random) -> Snapshot:
 def test_noisy_stationary_metrics_never_make_a_knob_oscillate(
     mean: Snapshot, seed: int, start: tuple[int, int, float]
 ) -> None:
+    _check_steady(mean, seed, start)
+
+
+def test_preemptions_below_the_cut_threshold_are_not_calm() -> None:
+    """Found by the property above: preemptions around the per-engine threshold (0.2/s over
+    4 engines, +-20 %) with the KV cache near empty. Windows above it cut maxNumSeqs by
+    one; windows just below it counted as calm, and the calm raise (KV nearly empty: the
+    slots would be the limit) put it back up: 256 -> 253 -> 256. A window with any
+    preemption is not calm."""
+    mean = window(pods=4, kv_cache_usage=1e-6, requests_waiting=0.2, requests_running=1112.6,
+                  preemptions_per_s=0.2, ttft_p95_s=0.049, itl_p95_s=0.049,
+                  generation_tokens_per_s=0.6, requests_per_s=213.2)  # fmt: skip
+    _check_steady(mean, 4, (4, 32, 0.9))
+
+
+def _check_steady(mean: Snapshot, seed: int, start: tuple[int, int, float]) -> None:
     rng = random.Random(seed)
     run = Run(current_settings(*start), limits())
     history = [run.settings]

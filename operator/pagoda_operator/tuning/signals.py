@@ -46,7 +46,7 @@ def updated_streaks(
         # rules.max_num_seqs.calm_raise).
         "calm": (
             not queued
-            and not preempting
+            and snapshot.preemptions_per_s == 0  # any: a raise must not undo a cut for them
             and snapshot.requests_running > 0
             and (ttft is None or ttft <= config.idle_ttft_fraction * limits.ttft_target_s)
         ),
