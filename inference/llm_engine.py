@@ -35,6 +35,7 @@ from inference.executor.interface import ModelExecutor, PendingStep
 from inference.generation_defaults import generation_defaults
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
+from inference.reconfigure import ChangePlan, apply_change, plan_change
 from inference.sampler import (
     PromptLogprobsRequest,
     RowLogprobs,
@@ -432,6 +433,20 @@ class LLMEngine:
             generators=[s.generator for s, _ in expanded],
             draft_token_ids=drafts,
         )
+
+    # -- live settings (``inference.reconfigure``) ----------------------------------------
+    def reconfigure(self, changes: dict, dry_run: bool = False) -> tuple[ChangePlan, float]:
+        """Plan ``changes`` (setting -> value) and, unless ``dry_run``, apply them now,
+        between steps: the step in flight completes first (its outputs go out with the
+        next step). Returns the plan and the seconds applying took. ReconfigureError
+        (changing nothing) for a change that cannot be made live."""
+        if dry_run:
+            return plan_change(self, changes), 0.0
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._complete(previous, self._pending_outputs)
+        plan = plan_change(self, changes)
+        return plan, apply_change(self, plan)
 
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
