@@ -255,3 +255,25 @@ def _capture_reason(runner: LiveRunner, after: dict[str, Any], resizes_kv: bool)
 def _is_live_runner(runner: Any) -> bool:
     return all(hasattr(runner, name) for name in
                ("graph_limits", "set_batch_limits", "resize_kv_cache"))  # fmt: skip
+
+
+def change_costs(engine: Any) -> dict[str, dict[str, Any]]:
+    """What changing each live setting costs from here: up to which value no CUDA graph is
+    captured (None: no graphs, never), and below how many KV blocks a shrink preempts."""
+    runner, config, block_manager = engine.runner, engine.config, engine.block_manager
+    live = _is_live_runner(runner)
+    limits = runner.graph_limits() if live else None
+    used = block_manager.num_blocks - block_manager.num_free_blocks
+    kv = {
+        "live": live,
+        "capture": limits is not None,  # graphs read the KV tensors: any resize recaptures
+        "min_blocks": -(-config.max_model_len // config.block_size),
+        "preempts_below_blocks": used,
+    }
+    return {
+        "max_num_seqs": {"raise_live": live, "capture_above": limits[0] if limits else None},
+        "max_num_batched_tokens": {
+            "raise_live": live, "capture_above": limits[1] if limits else None},
+        "num_kv_blocks": kv,
+        "gpu_memory_utilization": {**kv, "sizes_kv_cache": config.device == "cuda"},
+    }
