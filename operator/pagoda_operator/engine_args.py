@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
+from pagoda_operator.live_settings import flag_arguments
 from pagoda_operator.spec import model_source
 
 API_KEY_ENV = "PAGODA_API_KEY"
@@ -46,10 +47,9 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
         served_model_name(spec),
         "--tensor-parallel-size",
         str(engine["tensorParallelSize"]),
-        "--gpu-memory-utilization",
-        _format_number(engine["gpuMemoryUtilization"]),
-        "--max-num-seqs",
-        str(engine["maxNumSeqs"]),
+        # Where tuning is Auto, references the pod's environment fills from a ConfigMap,
+        # so that the tuner's live changes restart nothing (``live_settings``).
+        *flag_arguments(spec),
         "--block-size",
         str(engine["blockSize"]),
         "--dtype",
@@ -82,7 +82,3 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     # readable by anyone who can list the node's processes.
     args += [str(arg) for arg in engine.get("extraArgs") or []]
     return args
-
-
-def _format_number(value: float) -> str:
-    return f"{value:g}"

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagoda_operator import constants as c
+from pagoda_operator.live_settings import settings_config_map_name
 from pagoda_operator.model_cache import cache_claim_name, loader_job_name
 
 # Every kind an LLMDeployment may own; kinds missing from the desired set get deleted.
 OWNED_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "PersistentVolumeClaim"),
+    ("v1", "ConfigMap"),
     ("batch/v1", "Job"),
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
@@ -22,7 +24,8 @@ OWNED_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 # Kinds named after their LLMDeployment with a suffix; the rest carry its name as it is.
-OWNED_NAMES = {"PersistentVolumeClaim": cache_claim_name, "Job": loader_job_name}
+OWNED_NAMES = {"PersistentVolumeClaim": cache_claim_name, "Job": loader_job_name,
+               "ConfigMap": settings_config_map_name}
 # Kinds whose spec cannot change in place: an update deletes and creates them again.
 REPLACED_KINDS = ("Job",)
 
