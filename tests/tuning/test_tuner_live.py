@@ -213,7 +213,11 @@ def deployed_max_num_seqs(cluster: EmulatedCluster, name: str) -> str | None:
     deployment = cluster.get(deployment_path(NAMESPACE, name))
     if deployment is None:
         return None
-    return flag_value(engine_container(deployment)["args"], "--max-num-seqs")
+    value = flag_value(engine_container(deployment)["args"], "--max-num-seqs")
+    if value.startswith("$("):  # tuned: the pods read it from the settings ConfigMap
+        settings = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/configmaps/{name}-engine-settings")
+        return ((settings or {}).get("data") or {}).get("maxNumSeqs")
+    return value
 
 
 def user_max_num_seqs(cluster: EmulatedCluster, name: str) -> int:
