@@ -99,12 +99,10 @@ def calm_raise(ctx: Context) -> list[Proposal]:
         return []
     # Engines are lent to the rollout only where those left serving are not known to carry
     # the load (no saturated rate measured, or one too close): a GPU is not spent for nothing.
-    # Live engine knobs take no engine out of service, so none is lent; the load must still
-    # leave the room that check asks for (it keeps calm raises from overshooting).
+    # Live engine knobs take no engine out of service: nothing to carry, none to lend.
     cover = 0
-    if not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, 0, config):
-        if limits.engine_knobs_live:
-            return []
+    live = limits.engine_knobs_live
+    if not live and not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, 0, config):
         cover = cover_engines(ctx.replicas, limits)
         if not cover or not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, cover, config):
             return []
