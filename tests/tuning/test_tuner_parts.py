@@ -242,6 +242,7 @@ def run_window(
     engine: dict[str, Any] | None = None,
     pods: list[dict[str, Any]] | None = None,
     post_change: Any = None,
+    secrets: dict[str, dict[str, Any]] | None = None,
     **tuning: Any,
 ):
     """``pods`` and ``post_change``: the engine pods and their admin API, for live changes
@@ -254,6 +255,7 @@ def run_window(
         "status": status or {},
     }
     api, events, applied = FakeApi(llmd, interleave, pods), [], []
+    api.secrets.update(copy.deepcopy(secrets or {}))
 
     async def observe(endpoint: Any, namespace: str, name: str, window_s: float) -> Observation:
         assert (endpoint.url, namespace, name) == ("http://prometheus:9090", "ns", "m")
