@@ -2,13 +2,15 @@
 
     cd operator && python -m pagoda_operator.tuning.sim.report --out tuning-results
 
-The three starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
+The four starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
 ``maxNumSeqs`` 1024 and ``gpuMemoryUtilization`` 0.9, the tuner's default cooldown), the
 shipped autoscaled GPU sample (``manifests/samples/llmdeployment-gpu-autoscaled.yaml``:
 ``maxNumSeqs`` 256, its tuning bounds, batch budget and cooldown, and its autoscaler's
 target), and the same sample
 with ``spec.rollout`` maxSurge 1 and maxUnavailable 0 (a knob change rolls out on a spare
-GPU, without taking an engine away). In each, side
+GPU, without taking an engine away), and the same sample with engine-knob changes made
+live (the engines' admin API, as the operator does in Auto: a change stalls one engine at a
+time for a step or a CUDA-graph capture, and restarts none). In each, side
 by side from the same start with the same replica bounds, a look every 60 s and a
 Service's random spread:
 
