@@ -56,6 +56,8 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    Reconfigure,
+    Reconfigured,
     RemoveLoRA,
     Resolved,
     Shutdown,
@@ -178,6 +180,7 @@ class AsyncLLMEngine:
         # taken after them: their difference is the queue the stats cannot see yet.
         self._num_submitted_adds = 0
         self._snapshot: tuple[EngineStats, int] | None = None
+        self._reconfigures: dict[str, asyncio.Future[Reconfigured]] = {}  # by token
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -462,6 +465,35 @@ class AsyncLLMEngine:
             stream.abort_sent = True
         self._submit(AbortRequests([request_id]))
 
+    async def reconfigure(
+        self, changes: dict[str, Any], *, dry_run: bool = False, timeout_s: float = 600.0
+    ) -> Reconfigured:
+        """Change live settings in the engine between two steps (``inference.reconfigure``)
+        and return once the change is in effect, or was refused (``status`` 409/422); with
+        ``dry_run`` only what it would cost. The server's view of the config follows."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if not self._ready:
+            raise EngineNotReadyError("the model is still loading")
+        token = uuid.uuid4().hex
+        future = self._reconfigures[token] = self._loop.create_future()
+        self._submit(Reconfigure(token, dict(changes), dry_run))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._reconfigures.pop(token, None)
+
+    def _on_reconfigured(self, message: Reconfigured) -> None:
+        if message.config is not None and self._info is not None:
+            self._info.config = message.config
+            self._info.num_total_blocks = message.num_total_blocks
+            on_config = getattr(self.observer, "on_config", None)
+            if on_config is not None:
+                on_config(self._info)
+        future = self._reconfigures.get(message.token)
+        if future is not None and not future.done():
+            future.set_result(message)
+
     def _submit(self, command: Command) -> None:
         if not self._stopping:
             self._outbox.put(command)
@@ -481,6 +513,8 @@ class AsyncLLMEngine:
                     ValueError(text) if message.type_name == "ValueError" else RuntimeError(text)
                 )
                 self._fail(message.request_id, error)
+            elif isinstance(message, Reconfigured):
+                self._on_reconfigured(message)
             elif isinstance(message, Ready):
                 self._on_ready(message)
             elif isinstance(message, Dead):
@@ -533,6 +567,9 @@ class AsyncLLMEngine:
     def _fail_all(self, reason: str) -> None:
         for request_id in list(self._streams):
             self._fail(request_id, EngineDeadError(reason))
+        for future in self._reconfigures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
     # ----- threads ---------------------------------------------------------------------
 

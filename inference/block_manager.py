@@ -233,6 +233,56 @@ class BlockManager:
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
 
+    # -- live resizing (``inference.reconfigure``) ---------------------------------------
+    def grow(self, num_blocks: int) -> None:
+        """Add empty blocks up to ``num_blocks``: they are reused before cached ones."""
+        new_ids = range(self.num_blocks, num_blocks)
+        self.blocks.extend(Block(i) for i in new_ids)
+        for block_id in reversed(new_ids):
+            self.free_block_ids[block_id] = None
+            self.free_block_ids.move_to_end(block_id, last=False)
+        self.num_blocks = max(self.num_blocks, num_blocks)
+
+    def num_used_blocks_from(self, num_blocks: int) -> int:
+        """Blocks at or past ``num_blocks`` that live sequences reference."""
+        return sum(1 for b in self.blocks[num_blocks:] if b.ref_count > 0)
+
+    def shrink_moves(self, num_blocks: int) -> list[tuple[int, int]] | None:
+        """(from, to) block copies that empty every block at or past ``num_blocks``: each
+        referenced block there moves to a free one below, emptiest first (a block without
+        cached content before one with). None if the free blocks below do not suffice."""
+        used = [b.block_id for b in self.blocks[num_blocks:] if b.ref_count > 0]
+        targets = [i for i in self.free_block_ids if i < num_blocks][: len(used)]
+        if len(targets) < len(used):
+            return None
+        return list(zip(used, targets))
+
+    def shrink(self, num_blocks: int, moves: list[tuple[int, int]],
+               live_seqs: list[Sequence]) -> None:
+        """Drop every block at or past ``num_blocks`` after ``moves`` (``shrink_moves``,
+        whose KV the runner has copied): the moved blocks' references, counts and hashes
+        go to their new ids, and the dropped free blocks' cached content is forgotten."""
+        remap = dict(moves)
+        for src, dst in moves:
+            old, new = self.blocks[src], self.blocks[dst]
+            if new.hash is not None and self.hash_to_block_id.get(new.hash) == dst:
+                del self.hash_to_block_id[new.hash]
+            del self.free_block_ids[dst]
+            new.ref_count, new.hash, new.token_ids = old.ref_count, old.hash, old.token_ids
+            if old.hash is not None and self.hash_to_block_id.get(old.hash) == src:
+                self.hash_to_block_id[old.hash] = dst
+            old.ref_count, old.hash, old.token_ids = 0, None, ()
+        for seq in live_seqs:
+            seq.block_table = [remap.get(b, b) for b in seq.block_table]
+        for block in self.blocks[num_blocks:]:
+            if block.ref_count:
+                raise RuntimeError(f"block {block.block_id} is still referenced")
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
+            self.free_block_ids.pop(block.block_id, None)
+        del self.blocks[num_blocks:]
+        self.num_blocks = num_blocks
+
     # -- consistency (used by tests) ---------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
         counts = [0] * self.num_blocks

@@ -48,6 +48,8 @@ from inference.engine_messages import (
     Heartbeat,
     Message,
     Ready,
+    Reconfigure,
+    Reconfigured,
     RemoveLoRA,
     RequestDelta,
     Resolved,
@@ -353,6 +355,8 @@ class EngineCore:
             remove = getattr(engine, "remove_lora", None)
             if remove is not None:
                 remove(command.lora_int_id)
+        elif isinstance(command, Reconfigure):
+            self._send([_reconfigure(engine, command)])
         elif isinstance(command, Shutdown):
             raise _Shutdown()
         else:
@@ -417,6 +421,25 @@ class EngineCore:
 
 def _count(counts: dict[str, int], key: str) -> None:
     counts[key] = counts.get(key, 0) + 1
+
+
+def _reconfigure(engine: CoreEngine, command: Reconfigure) -> Reconfigured:
+    """Plan or apply a live change now, between steps; a refusal changes nothing."""
+    change = getattr(engine, "reconfigure", None)
+    if change is None:
+        return Reconfigured(command.token, 409, "this engine takes no live changes", {})
+    from inference.reconfigure import ReconfigureError, change_costs, live_settings
+
+    try:
+        plan, seconds = change(command.changes, dry_run=command.dry_run)
+    except ReconfigureError as error:
+        return Reconfigured(command.token, error.status, str(error), live_settings(engine),
+                            costs=change_costs(engine))  # fmt: skip
+    return Reconfigured(
+        command.token, 200, "planned" if command.dry_run else "applied",
+        live_settings(engine), plan.as_dict(), change_costs(engine), seconds,
+        engine.config, engine.num_total_blocks,
+    )  # fmt: skip
 
 
 def _warm_up(engine: CoreEngine) -> None:

@@ -13,10 +13,11 @@ dataclass or a NamedTuple per row costs several times a tuple's on both sides of
 (measured: about 1 ms more per step of 512 rows, against 0.2 ms for tuples). They are built
 in one place (``engine_core._deltas``) and read in one place (``async_engine``).
 
-server -> engine: ``AddRequest``, ``AbortRequests``, ``Shutdown``.
+server -> engine: ``AddRequest``, ``AbortRequests``, ``Reconfigure``, ``Shutdown``.
 engine -> server: ``Resolved`` (model folder found), ``Ready`` (loaded and warmed up),
 ``StepOutputs`` (one per step), ``Heartbeat`` (after idle commands, and every second when
-idle), ``AddRejected`` (a bad prompt), ``Dead`` (fatal; the process exits right after).
+idle), ``AddRejected`` (a bad prompt), ``Reconfigured`` (a live change made or refused),
+``Dead`` (fatal; the process exits right after).
 ``num_adds`` counts the ``AddRequest``s the engine has taken: against what the server has
 sent, it tells the server how many requests the stats cannot see yet.
 """
@@ -147,7 +148,18 @@ class Shutdown:
     pass
 
 
-Command: TypeAlias = AddRequest | AbortRequests | RemoveLoRA | Shutdown
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """Change live settings between two steps (``inference.reconfigure``): ``changes`` maps
+    setting -> value; ``dry_run`` only asks what the change would cost. Answered by one
+    ``Reconfigured`` with the same ``token``."""
+
+    token: str
+    changes: dict[str, Any]
+    dry_run: bool = False
+
+
+Command: TypeAlias = AddRequest | AbortRequests | RemoveLoRA | Reconfigure | Shutdown
 
 
 # ----- engine -> server ------------------------------------------------------------------
@@ -201,4 +213,25 @@ class Dead:
     reason: str
 
 
-Message: TypeAlias = Resolved | Ready | StepOutputs | Heartbeat | AddRejected | Dead
+@dataclass(frozen=True, slots=True)
+class Reconfigured:
+    """The answer to a ``Reconfigure``: ``status`` 200 (applied, or planned for a dry run),
+    422 (a value the engine cannot run) or 409 (one it cannot take live), with why;
+    ``settings`` the live values afterwards, ``plan`` what the change did or would do,
+    ``costs`` what changing each setting costs from here, ``seconds`` how long applying
+    took, ``config`` and ``num_total_blocks`` the engine's own after a change."""
+
+    token: str
+    status: int
+    message: str
+    settings: dict[str, Any]
+    plan: dict[str, Any] | None = None
+    costs: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    config: ResolvedEngineConfig | None = None
+    num_total_blocks: int | None = None
+
+
+Message: TypeAlias = (
+    Resolved | Ready | StepOutputs | Heartbeat | AddRejected | Reconfigured | Dead
+)

@@ -37,6 +37,7 @@ from inference.lora.registry import LoRARegistry, lora_stats
 from inference.lora.request import LoRARequest
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
+from inference.reconfigure import ChangePlan, apply_change, plan_change
 from inference.sampler import (
     PromptLogprobsRequest,
     RowLogprobs,
@@ -461,6 +462,20 @@ class LLMEngine:
         if request is not None and all(s.lora_request != request for s in live):
             self.runner.forget_lora(request)
         return request is not None
+
+    # -- live settings (``inference.reconfigure``) ----------------------------------------
+    def reconfigure(self, changes: dict, dry_run: bool = False) -> tuple[ChangePlan, float]:
+        """Plan ``changes`` (setting -> value) and, unless ``dry_run``, apply them now,
+        between steps: the step in flight completes first (its outputs go out with the
+        next step). Returns the plan and the seconds applying took. ReconfigureError
+        (changing nothing) for a change that cannot be made live."""
+        if dry_run:
+            return plan_change(self, changes), 0.0
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._complete(previous, self._pending_outputs)
+        plan = plan_change(self, changes)
+        return plan, apply_change(self, plan)
 
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:

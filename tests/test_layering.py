@@ -33,7 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine_core", "inference.llm", "inference.__init__"),  # the engine's fronts
     ("inference.llm_engine",),  # the step loop
     # an engine from its config; default sampling parameters; chat templates
-    ("inference.engine_setup", "inference.generation_defaults", "inference.chat_templates"),
+    ("inference.engine_setup", "inference.generation_defaults", "inference.chat_templates",
+     "inference.reconfigure"),  # live setting changes: scheduler, KV cache, graphs
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
     ("inference.spec_decode.draft_model",),  # a draft model beside the target's runner
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward

@@ -268,3 +268,41 @@ def test_adapters_reach_the_server_as_lora_modules(
     parser = add_serve_args(argparse.ArgumentParser())
     known = {option for action in parser._actions for option in action.option_strings}
     assert set(LORA_FLAGS) <= known
+
+
+def test_a_tuned_deployment_runs_the_settings_in_force_and_the_admin_api() -> None:
+    """Tuning Auto: the flags the tuner changes live read the settings ConfigMap through the
+    container's environment; expanded as the kubelet expands $(VAR) in args (from env
+    entries, here their ConfigMap and Secret values), they parse into the values in force,
+    with the admin API on its port and key. The tuner's setting names are the admin API's."""
+    from pagoda_operator import live_settings
+
+    from inference.reconfigure import LIVE_SETTINGS
+    from inference.server.cli_serve import ADMIN_KEY_ENV, check_serve_args
+
+    llmd = {
+        "apiVersion": constants.API_VERSION, "kind": constants.KIND,
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxNumSeqs": 64},
+                 "tuning": {"mode": "Auto"}, "prometheus": {"url": "http://prometheus:9090"}},
+        "status": {"tuning": {"overrides": {"maxNumSeqs": {"value": 96, "specValue": 64}}}},
+    }  # fmt: skip
+    objects = {obj["kind"]: obj for obj in desired_objects(llmd, service_monitor_api=False)}
+    (container,) = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
+    sources = {"configMapKeyRef": objects["ConfigMap"]["data"],
+               "secretKeyRef": {live_settings.ADMIN_SECRET_KEY: "admin-key"}}  # fmt: skip
+    env = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+            continue
+        ((kind, ref),) = entry["valueFrom"].items()
+        if kind in sources:
+            env[entry["name"]] = sources[kind][ref["key"]]
+    args = [env.get(a[2:-1], a) if a.startswith("$(") else a for a in container["args"][1:]]
+    namespace, resolved = parse_and_resolve(args)
+    namespace.admin_api_key = env[ADMIN_KEY_ENV]
+    assert (resolved.max_num_seqs, resolved.gpu_memory_utilization) == (96, 0.9)
+    assert namespace.admin_port == live_settings.ADMIN_PORT and check_serve_args(namespace) == []
+    assert live_settings.ADMIN_KEY_ENV == ADMIN_KEY_ENV
+    assert set(live_settings.ENGINE_SETTINGS.values()) <= set(LIVE_SETTINGS)

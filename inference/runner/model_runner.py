@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -190,6 +191,64 @@ class ModelRunner:
         """None: the model runs in this process, with no worker that could die under it
         (the tensor-parallel executor's counterpart reports a dead worker)."""
         return None
+
+    # -- live reconfiguration (``inference.reconfigure``) --------------------------------
+    def graph_limits(self) -> tuple[int, int] | None:
+        """The largest captured decode batch and mixed-step token count (None: no graphs,
+        as on CPU or with ``enforce_eager``)."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        return graphs.batch_sizes[-1], max(graphs.token_sizes, default=0)
+
+    def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> bool:
+        """The scheduler's new limits. Returns True when the captured graphs must be made
+        again: the buffer of sampled ids they read grew."""
+        self.config = replace(self.config, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        if max_num_seqs <= len(self.sampled_ids):
+            return False
+        # No step is in flight (the engine settles first): no placeholder reads the old one.
+        grown = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        grown[: len(self.sampled_ids)].copy_(self.sampled_ids)
+        self.sampled_ids = grown
+        return self.graphs is not None
+
+    def blocks_at_memory_utilization(self, utilization: float) -> int:
+        """The KV blocks ``gpu_memory_utilization=utilization`` allows, from the blocks
+        held now and the card's size (what is not the KV cache stays as it is). On CPU the
+        cache is sized by ``cpu_kv_cache_gib``: the block count does not change."""
+        if self.device.type != "cuda":
+            return self.num_blocks
+        _, total = torch.cuda.mem_get_info(self.device)
+        delta = (utilization - self.config.gpu_memory_utilization) * total
+        return max(1, self.num_blocks + int(delta // self.bytes_per_block))
+
+    @torch.inference_mode()
+    def resize_kv_cache(self, num_blocks: int, moves: list[tuple[int, int]]) -> None:
+        """``num_blocks`` blocks per layer, after copying each (from, to) block of
+        ``moves``; blocks below both sizes keep their content. One layer at a time, so the
+        peak is the cache plus one layer's. The graphs read the old tensors: dropped here,
+        captured again by the caller."""
+        self.graphs = None
+        keep = min(num_blocks, self.num_blocks)
+        if moves:
+            src = torch.tensor([m[0] for m in moves], device=self.device)
+            dst = torch.tensor([m[1] for m in moves], device=self.device)
+        for i, layer in enumerate(self.kv_caches):
+            resized = []
+            for cache in layer:
+                if moves:  # as bytes: index_put has no float8 kernel
+                    raw = cache.view(torch.uint8)
+                    raw[dst] = raw[src]
+                new = torch.zeros((num_blocks, *cache.shape[1:]), dtype=cache.dtype,
+                                  device=self.device)  # fmt: skip
+                new[:keep].copy_(cache[:keep])
+                resized.append(new)
+            self.kv_caches[i] = (resized[0], resized[1])
+            del layer, resized
+        self.num_blocks = num_blocks
+        self.config = replace(self.config, num_kv_blocks=num_blocks)
 
     # -- one step ----------------------------------------------------------------------
     def _to_device(self, inputs: StepInputs):

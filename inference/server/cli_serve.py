@@ -48,6 +48,7 @@ from inference.server.vllm_flags import (
     normalize_flag_spelling,
 )
 
+ADMIN_KEY_ENV = "PAGODA_ADMIN_API_KEY"
 logger = logging.getLogger("inference.server")
 
 
@@ -81,6 +82,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("PAGODA_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGODA_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-port", type=int, default=None,
+        help="serve the admin API (live engine settings, for the operator's tuner) on this "
+             "port, behind --admin-api-key; no Service should route to it (default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"the admin API's own key, never the clients' --api-key (default: ${ADMIN_KEY_ENV})",
     )
     parser.add_argument(
         "--max-queue-len",
@@ -226,6 +237,8 @@ def check_serve_args(args: argparse.Namespace) -> list[str]:
         errors.append("--engine-step-timeout must be > 0")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         errors.append("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.admin_port is not None:
+        errors.extend(_admin_errors(args))
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         errors.append("--ssl-keyfile and --ssl-certfile go together")
     if args.lora_modules and not args.enable_lora:
@@ -248,6 +261,16 @@ def served_adapters(args: argparse.Namespace, config: EngineConfig,
         except ValueError as exc:
             raise ValueError(f"--lora-modules {module.name}: {exc}") from None
     return adapters
+
+
+def _admin_errors(args: argparse.Namespace) -> list[str]:
+    if not args.admin_api_key:
+        return [f"--admin-port needs --admin-api-key (or ${ADMIN_KEY_ENV})"]
+    if args.admin_api_key == args.api_key:
+        return ["--admin-api-key must differ from --api-key: every client holds that one"]
+    if args.admin_port == args.port:
+        return ["--admin-port must differ from --port"]
+    return []
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
@@ -390,6 +413,14 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    admin_sock = None
+    if args.admin_port is not None:
+        try:
+            admin_sock = _bind(args.host, args.admin_port)
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.admin_port} (--admin-port): "
+                  f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+            return 1
     metrics = ServerMetrics(names[0])
     engine = AsyncLLMEngine(
         config,
@@ -435,7 +466,8 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    server = _make_server(uv_config, engine, args.shutdown_grace_seconds)
+    admin = _admin_server(args, engine, admin_sock) if admin_sock is not None else None
+    server = _make_server(uv_config, engine, args.shutdown_grace_seconds, admin)
     scheme = "https" if args.ssl_certfile else "http"
     example = _curl_example(scheme, args.host, args.port, names[0], args.api_key)
     threading.Thread(
@@ -454,19 +486,53 @@ def _ignore_reraised_signals() -> None:
             signal.signal(sig, lambda *_: None)
 
 
-def _make_server(config, engine, grace_s: float):
+def _admin_server(args: argparse.Namespace, engine, sock: socket.socket):
+    """The admin API's server on its bound socket (``inference.server.admin``), as the
+    (server, socket) ``_make_server`` runs in the serving server's event loop, which owns
+    the signals."""
+    import contextlib
+
+    import uvicorn
+
+    from inference.server.admin import build_admin_app
+
+    class AdminServer(uvicorn.Server):
+        def capture_signals(self):
+            return contextlib.nullcontext()  # the serving server drains, then stops this one
+
+    config = uvicorn.Config(
+        build_admin_app(engine, args.admin_api_key), lifespan="off",
+        log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        access_log=not args.disable_uvicorn_access_log,
+    )  # fmt: skip
+    return AdminServer(config), sock
+
+
+def _make_server(config, engine, grace_s: float, admin=None):
     """A uvicorn.Server that drains before it stops: on the first signal it keeps serving
     (new requests get 503) until the in-flight ones are done or the grace period is over,
-    then exits; a second signal aborts what is left and exits at once."""
+    then exits; a second signal aborts what is left and exits at once. ``admin``: the admin
+    API's (server, socket), started and stopped with this one."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None
         draining = False
+        admin_task: asyncio.Task | None = None
 
         async def startup(self, sockets=None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
+            if admin is not None:
+                admin_server, admin_sock = admin
+                self.admin_task = asyncio.create_task(admin_server.serve(sockets=[admin_sock]))
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.admin_task is not None:
+                admin[0].should_exit = True
+                await self.admin_task
+            await super().shutdown(sockets=sockets)
 
         def handle_exit(self, sig, frame) -> None:
             loop = self.loop

@@ -244,6 +244,17 @@ class ServerMetrics:
             ProcessCollector(
                 namespace="pagoda_engine", pid=lambda: engine_pid, registry=self.registry
             )
+        self.on_config(info)
+        # The warm-up request is not traffic: counters start from the engine's totals now.
+        self._last_totals = _running_totals(stats)
+        self.on_stats(stats, None)
+
+    def on_config(self, info: EngineInfo) -> None:
+        """The settings gauges, from the engine's config now (at start and after every live
+        change: the old label set goes, so a scrape never shows two configurations)."""
+        config = info.config
+        self._engine_info.clear()
+        self._cache_info.clear()
         num_blocks = "" if info.num_total_blocks is None else str(info.num_total_blocks)
         self._engine_info.labels(
             model_name=self.model_name,
@@ -270,9 +281,6 @@ class ServerMetrics:
             num_gpu_tokens="" if info.num_total_blocks is None
             else str(info.num_total_blocks * config.block_size),
         ).set(1)
-        # The warm-up request is not traffic: counters start from the engine's totals now.
-        self._last_totals = _running_totals(stats)
-        self.on_stats(stats, None)
 
     def on_stats(self, stats: EngineStats, timings: StepTimings | None) -> None:
         self.num_requests_running.set(stats.num_running)

@@ -24,6 +24,16 @@ from pagoda_operator.autoscalers import (
     prometheus_auth,
 )
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.live_settings import (
+    ADMIN_PORT,
+    ADMIN_PORT_NAME,
+    SETTINGS_ANNOTATION,
+    live_enabled,
+    restart_hash,
+    settings_config_map_name,
+    settings_data,
+)
+from pagoda_operator.live_settings import env_entries as live_env_entries
 from pagoda_operator.metadata import (
     common_labels,
     finish,
@@ -82,6 +92,8 @@ def desired_objects(
     objects = []
     if needs_cache(spec):
         objects += desired_model_cache(llmd, spec, default_image, replicas_ceiling(llmd))
+    if live_enabled(spec):  # before the Deployment, whose pods read it
+        objects.append(desired_settings_config_map(llmd, spec))
     objects += [
         desired_deployment(llmd, spec, default_image, model_cached=model_cached),
         desired_service(llmd, spec),
@@ -192,7 +204,16 @@ def desired_deployment(
             },
         }
     }
+    if live_enabled(spec):
+        annotations = body["spec"]["template"]["metadata"]["annotations"]
+        annotations[SETTINGS_ANNOTATION] = restart_hash(llmd, spec)
     return finish(llmd, "apps/v1", "Deployment", body)
+
+
+def desired_settings_config_map(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """The live knobs' values in force, which the engines' flags read when they start."""
+    name = settings_config_map_name(llmd["metadata"]["name"])
+    return finish(llmd, "v1", "ConfigMap", {"data": settings_data(spec)}, name)
 
 
 def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
@@ -201,7 +222,7 @@ def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, A
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": int(spec["termination"]["terminationGracePeriodSeconds"]),
         "securityContext": pod_security_context(),
-        "containers": [engine_container(spec, default_image)],
+        "containers": [engine_container(name, spec, default_image)],
         "volumes": volumes(name, spec),
     }
     for field in (
@@ -240,14 +261,19 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
-def engine_container(spec: dict[str, Any], default_image: str) -> dict[str, Any]:
+def engine_container(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
+    ports = [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}]
+    env = engine_env(spec)
+    if live_enabled(spec):  # the admin API, for the tuner's live changes (``live_settings``)
+        ports.append({"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"})
+        env = env[:1] + live_env_entries(name) + env[1:]
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.get("image") or default_image,
         "command": ["pagoda"],
         "args": serve_args(spec),
-        "ports": [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}],
-        "env": engine_env(spec),
+        "ports": ports,
+        "env": env,
         "resources": container_resources(spec),
         "volumeMounts": volume_mounts(spec) + copy.deepcopy(spec.get("volumeMounts") or []),
         "securityContext": container_security_context(),

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagoda_operator.adapters import lora_args
 from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
+from pagoda_operator.live_settings import flag_arguments
 from pagoda_operator.spec import model_source
 
 API_KEY_ENV = "PAGODA_API_KEY"
@@ -48,10 +49,9 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
         served_model_name(spec),
         "--tensor-parallel-size",
         str(engine["tensorParallelSize"]),
-        "--gpu-memory-utilization",
-        _format_number(engine["gpuMemoryUtilization"]),
-        "--max-num-seqs",
-        str(engine["maxNumSeqs"]),
+        # Where tuning is Auto, references the pod's environment fills from a ConfigMap,
+        # so that the tuner's live changes restart nothing (``live_settings``).
+        *flag_arguments(spec),
         "--block-size",
         str(engine["blockSize"]),
         "--dtype",

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pagoda_operator import constants as c
 from pagoda_operator.gateway import POOL_API_VERSION, picker_name
+from pagoda_operator.live_settings import settings_config_map_name
 from pagoda_operator.model_cache import cache_claim_name, loader_job_name
 
 # Every object an LLMDeployment may own, as (apiVersion, kind, its name for an
@@ -15,6 +16,7 @@ from pagoda_operator.model_cache import cache_claim_name, loader_job_name
 NameOf = Callable[[str], str]
 OWNED: tuple[tuple[str, str, NameOf], ...] = (
     ("v1", "PersistentVolumeClaim", cache_claim_name),
+    ("v1", "ConfigMap", settings_config_map_name),  # a tuned deployment's live settings
     ("batch/v1", "Job", loader_job_name),
     ("apps/v1", "Deployment", str),
     ("v1", "Service", str),

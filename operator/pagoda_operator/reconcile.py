@@ -21,6 +21,7 @@ from pagoda_operator.desired import DEFAULT_MONITOR, MonitorSettings, desired_ob
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.gateway import PICKER_APP_NAME, POOL_API_VERSION, gateway_spec
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
+from pagoda_operator.live_settings import live_enabled
 from pagoda_operator.metrics import due as metrics_due
 from pagoda_operator.model_cache import (
     LOADER_JOB_LABEL,
@@ -48,6 +49,7 @@ from pagoda_operator.status import (
     workload_status,
 )
 from pagoda_operator.storage import settle_claim
+from pagoda_operator.tuning.live import ensure_admin_secret
 
 # (event type, reason, message) -> posts an Event on the LLMDeployment.
 EmitEvent = Callable[[str, str, str], None]
@@ -227,6 +229,8 @@ async def apply_owned_objects(
         messages = "; ".join(action.event_message for action in conflicts)
         emit("Warning", "NameConflict", messages)
         raise NameConflictError(messages)
+    if live_enabled(spec):  # the engines' admin key, which their pods mount
+        await ensure_admin_secret(client, llmd)
     deployment, refused = await carry_out_actions(
         client, actions, name, namespace, emit, existing[("apps/v1", "Deployment", name)]
     )

@@ -699,8 +699,34 @@ def exercise_every_owned_kind(cluster: EmulatedCluster) -> None:
     )
 
 
+def exercise_live_settings(cluster: EmulatedCluster) -> None:
+    """A tuned (Auto) LLMDeployment: its settings ConfigMap is created, updated and deleted
+    (tuning off), and its engines' admin Secret created once; the pods read both."""
+    namespace, name = "rbac", "tuned"
+    tuning = {"mode": "Auto"}
+    prometheus = {"url": "http://127.0.0.1:9/"}  # nothing there: the tuner holds
+    cluster.create(llmd_path(namespace), make_llmd(
+        namespace, name, engine={"maxNumSeqs": 64}, tuning=tuning, prometheus=prometheus))
+    settings_path = f"/api/v1/namespaces/{namespace}/configmaps/{name}-engine-settings"
+    secret_path = f"/api/v1/namespaces/{namespace}/secrets/{name}-engine-admin"
+    settings = wait_for(lambda: cluster.get(settings_path), what="settings ConfigMap")
+    assert settings["data"] == {"gpuMemoryUtilization": "0.9", "maxNumSeqs": "64"}
+    secret = wait_for(lambda: cluster.get(secret_path), what="admin Secret")
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
+    container = engine_container(cluster.get(deployment_path(namespace, name)))
+    assert flag_value(container["args"], "--max-num-seqs") == "$(PAGODA_MAX_NUM_SEQS)"
+    assert {"name": "admin", "containerPort": 8001, "protocol": "TCP"} in container["ports"]
+    cluster.patch(llmd_path(namespace, name), {"spec": {"engine": {"maxNumSeqs": 32}}})
+    wait_for(lambda: (cluster.get(settings_path) or {}).get("data", {}).get("maxNumSeqs") == "32",
+             what="settings ConfigMap updated")  # fmt: skip
+    cluster.patch(llmd_path(namespace, name), {"spec": {"tuning": {"mode": "Off"}}})
+    wait_for(lambda: cluster.get(settings_path) is None, what="settings ConfigMap deleted")
+    assert cluster.get(secret_path)["data"] == secret["data"]  # made once, never rewritten
+
+
 def test_rbac_allows_every_call_the_operator_made(cluster: EmulatedCluster) -> None:
     exercise_every_owned_kind(cluster)
+    exercise_live_settings(cluster)
     granted = granted_permissions()
     used = used_permissions(cluster)
     assert used <= granted, f"calls outside the ClusterRole: {sorted(used - granted)}"

@@ -65,8 +65,12 @@ class ServerThread:
         engine_factory=None,
         engine_step_timeout_s: float | None = None,
         app_kwargs: dict | None = None,
+        admin_api_key: str | None = None,
         **engine_kwargs,
     ) -> None:
+        """``admin_api_key``: also serve the admin API (``inference.server.admin``) on a
+        port of its own, ``admin_url``, in the same event loop (as ``pagoda serve
+        --admin-port`` does)."""
         import uvicorn
 
         engine_kwargs.setdefault("device", "cpu")
@@ -94,9 +98,23 @@ class ServerThread:
         self.base_url = f"http://127.0.0.1:{self.port}"
         uv_config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(uv_config)
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(sockets=[self._sock])), daemon=True
-        )
+        self.admin_server = self.admin_url = None
+        serving = [(self.server, self._sock)]
+        if admin_api_key is not None:
+            from inference.server.admin import build_admin_app
+
+            admin_sock = socket.socket()
+            admin_sock.bind(("127.0.0.1", 0))
+            self.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
+            self.admin_server = uvicorn.Server(uvicorn.Config(
+                build_admin_app(self.engine, admin_api_key), log_level="warning",
+                lifespan="off"))  # fmt: skip
+            serving.append((self.admin_server, admin_sock))
+
+        async def serve_all() -> None:
+            await asyncio.gather(*(server.serve(sockets=[sock]) for server, sock in serving))
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(serve_all()), daemon=True)
 
     def start(self) -> ServerThread:
         self._thread.start()
@@ -109,6 +127,8 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.should_exit = True
+        if self.admin_server is not None:
+            self.admin_server.should_exit = True
         self._thread.join(timeout=30)
         self._sock.close()
 

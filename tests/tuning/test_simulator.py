@@ -129,6 +129,34 @@ def test_a_rollout_surges_or_stops_engines_as_spec_rollout_says() -> None:
     assert done == pytest.approx(2 * startup, abs=6 * TICK_S)
 
 
+def test_a_live_change_restarts_no_engine_and_changes_one_at_a_time() -> None:
+    """Engine knobs changed live (the admin API): the same engines throughout, each taking
+    the new value in turn; a raise past the captured graphs stalls each for the measured
+    capture, a lower batch for a step."""
+    model = engine_model("qwen2.5-7b")
+    cluster = Cluster(model, 3, 256, 0.9, live=True)
+    engines = list(cluster.replicas)
+    cluster.desired[MAX_NUM_SEQS] = 512
+    now = 0.0
+    while not cluster.rollout_complete(now):
+        cluster.rollout(now)
+        cluster.tick(now, TICK_S)
+        assert cluster.replicas == engines and sum(r.max_num_seqs == 512 for r in engines) <= (
+            now // model.capture_s + 1)  # one engine at a time
+        now += TICK_S
+        assert now < 600
+    assert model.capture_s > 10 and now == pytest.approx(2 * model.capture_s, abs=2 * TICK_S)
+    assert cluster.live_stall_s == pytest.approx(3 * model.capture_s)
+    # Within the captured graphs: a step each, once the last engine's capture has answered.
+    cluster.desired[MAX_NUM_SEQS] = 128
+    stalled, began = cluster.live_stall_s, now
+    while not cluster.rollout_complete(now):
+        cluster.rollout(now)
+        now += TICK_S
+        assert now - began < model.capture_s + 4 * TICK_S
+    assert cluster.replicas == engines and cluster.live_stall_s - stalled < 0.1
+
+
 def test_the_queue_autoscaler_follows_the_hpa_algorithm() -> None:
     scaler = QueueAutoscaler(target_waiting=4, min_replicas=1, max_replicas=12)
     queued = Snapshot(60, 2, 0.5, 40.0, 100.0, 0.0, 2.0, 0.02, 5000.0, 50.0)

@@ -213,7 +213,11 @@ def deployed_max_num_seqs(cluster: EmulatedCluster, name: str) -> str | None:
     deployment = cluster.get(deployment_path(NAMESPACE, name))
     if deployment is None:
         return None
-    return flag_value(engine_container(deployment)["args"], "--max-num-seqs")
+    value = flag_value(engine_container(deployment)["args"], "--max-num-seqs")
+    if value.startswith("$("):  # tuned: the pods read it from the settings ConfigMap
+        settings = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/configmaps/{name}-engine-settings")
+        return ((settings or {}).get("data") or {}).get("maxNumSeqs")
+    return value
 
 
 def user_max_num_seqs(cluster: EmulatedCluster, name: str) -> int:
@@ -326,7 +330,9 @@ def test_gitops_reapply_keeps_the_override_and_a_user_change_resets_it(
     )
     llmd = cluster.get(llmd_path(NAMESPACE, GITOPS)) or {}
     assert llmd["spec"]["engine"]["maxNumSeqs"] == 4
-    assert llmd["status"]["tuning"]["overrides"]["maxNumSeqs"] == {"value": 8, "specValue": 4}
+    # No engine pod in the emulated cluster to take it live: it rolled out by restart.
+    assert llmd["status"]["tuning"]["overrides"]["maxNumSeqs"] == {
+        "value": 8, "specValue": 4, "live": False}
     wait_for(
         lambda: (
             (llmd_status(cluster, NAMESPACE, GITOPS).get("effective") or {}).get("maxNumSeqs") == 8
@@ -490,7 +496,7 @@ def test_auto_change_that_rolls_out_is_judged_on_the_windows_after_it_and_kept(
     # Kept: the override stays, the spec is the user's, and the engines keep running 8.
     evaluations_after(cluster, KEPT, 2)
     status = tuning(cluster, KEPT)
-    assert status["overrides"] == {"maxNumSeqs": {"value": 8, "specValue": 4}}
+    assert status["overrides"] == {"maxNumSeqs": {"value": 8, "specValue": 4, "live": False}}
     assert not status.get("banned")
     assert [d["outcome"] for d in status["decisions"]] == [kept["outcome"]]
     assert user_max_num_seqs(cluster, KEPT) == 4

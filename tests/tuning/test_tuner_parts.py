@@ -114,9 +114,11 @@ def test_the_deployment_and_status_show_the_effective_values() -> None:
         "spec": spec(),
         "status": {"tuning": {"overrides": with_change(spec(), {}, MAX_NUM_SEQS, 128)}},
     }
-    deployment = desired_objects(llmd, service_monitor_api=False)[0]
+    settings, deployment = desired_objects(llmd, service_monitor_api=False)[:2]
+    # Tuned (Auto): the flag reads the value in force from the settings ConfigMap.
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--max-num-seqs") + 1] == "128"
+    assert args[args.index("--max-num-seqs") + 1] == "$(PAGODA_MAX_NUM_SEQS)"
+    assert settings["kind"] == "ConfigMap" and settings["data"]["maxNumSeqs"] == "128"
     effective = workload_status(llmd, deployment, "2025-01-01T00:00:00Z")["effective"]
     assert effective == {"replicas": 2, "maxNumSeqs": 128, "gpuMemoryUtilization": 0.9}
 
@@ -192,14 +194,29 @@ class FakeApi:
     """The LLMDeployment's API: GET and conditional status writes, recorded. ``interleave``
     runs once, between the tuner's read and its first write, as another writer would."""
 
-    def __init__(self, llmd: dict[str, Any], interleave: Any = None) -> None:
+    def __init__(self, llmd: dict[str, Any], interleave: Any = None,
+                 pods: list[dict[str, Any]] | None = None) -> None:
         self.llmd = {**llmd, "metadata": {**llmd["metadata"], "resourceVersion": "1"}}
         self.calls: list[tuple[str, str, Any]] = []
         self.interleave = interleave
+        # The engines' side for live changes: their pods and the admin Secret.
+        self.pods = pods or []
+        self.secrets: dict[str, dict[str, Any]] = {}
 
-    async def get(self, path: str) -> dict[str, Any]:
+    async def get(self, path: str) -> dict[str, Any] | None:
+        if "/secrets/" in path:
+            return copy.deepcopy(self.secrets.get(path.rsplit("/", 1)[1]))
         self.calls.append(("GET", path, None))
         return copy.deepcopy(self.llmd)
+
+    async def request(self, method: str, path: str, *, body: Any = None) -> dict[str, Any]:
+        assert (method, path) == ("POST", "/api/v1/namespaces/ns/secrets")
+        self.secrets[body["metadata"]["name"]] = body
+        return copy.deepcopy(body)
+
+    async def list(self, path: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        assert path == "/api/v1/namespaces/ns/pods" and labels["pagoda.dev/llmdeployment"] == "m"
+        return copy.deepcopy(self.pods)
 
     async def patch_status(
         self, path: str, status: dict[str, Any], *, resource_version: str | None = None
@@ -222,14 +239,23 @@ def run_window(
     status: dict[str, Any] | None = None,
     interleave: Any = None,
     now: float | None = None,
+    engine: dict[str, Any] | None = None,
+    pods: list[dict[str, Any]] | None = None,
+    post_change: Any = None,
+    secrets: dict[str, dict[str, Any]] | None = None,
     **tuning: Any,
 ):
+    """``pods`` and ``post_change``: the engine pods and their admin API, for live changes
+    (none by default: an engine-knob change then rolls out by restart)."""
+    defaulted = spec(mode=mode, **tuning)
+    defaulted["engine"].update(engine or {})
     llmd = {
-        "metadata": {"name": "m", "namespace": "ns"},
-        "spec": {**spec(mode=mode, **tuning), "replicas": 2},
+        "metadata": {"name": "m", "namespace": "ns", "uid": "uid-m"},
+        "spec": {**defaulted, "replicas": 2},
         "status": status or {},
     }
-    api, events, applied = FakeApi(llmd, interleave), [], []
+    api, events, applied = FakeApi(llmd, interleave, pods), [], []
+    api.secrets.update(copy.deepcopy(secrets or {}))
 
     async def observe(endpoint: Any, namespace: str, name: str, window_s: float) -> Observation:
         assert (endpoint.url, namespace, name) == ("http://prometheus:9090", "ns", "m")
@@ -248,6 +274,7 @@ def run_window(
             apply_owned=apply_owned,
             observe_fn=observe,
             clock=time.time if now is None else lambda: now,
+            **({"post_change": post_change} if post_change is not None else {}),
         )
     )
     return tuning_status, api, events, applied
@@ -278,8 +305,8 @@ def test_runner_applies_in_auto_mode_as_an_override_not_in_the_spec() -> None:
     tuning, _, _, _ = run_window("Auto", observation)
     tuning, api, events, applied = run_window("Auto", observation, {"tuning": tuning})
     assert api.llmd["spec"]["engine"]["maxNumSeqs"] == 64  # the user's, untouched
-    assert api.llmd["status"]["tuning"]["overrides"] == {
-        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    assert api.llmd["status"]["tuning"]["overrides"] == {  # no engine pod: by restart
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64, "live": False}
     }
     assert [s["engine"]["maxNumSeqs"] for s in applied] == [128]  # the Deployment follows
     assert tuning["decisions"][-1]["outcome"] == "watching"
@@ -365,8 +392,8 @@ def test_a_change_whose_rollout_completes_is_judged_on_the_window_after_it_and_k
     assert judged["lastDecision"]["verdict"] == verdict
     assert [d["outcome"] for d in judged["decisions"]] == ["kept: " + verdict]
     assert ("Normal", "TuningKept", verdict) in events
-    assert api.llmd["status"]["tuning"]["overrides"] == {
-        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    assert api.llmd["status"]["tuning"]["overrides"] == {  # no engine pod: by restart
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64, "live": False}
     }
     assert api.llmd["status"]["tuning"]["state"].get("pending") is None
     assert applied == []  # nothing to render again: the override stays as it is
@@ -389,9 +416,11 @@ def test_a_covered_engine_knob_change_lends_an_engine_for_its_rollout_and_gives_
         live = [{"max_num_seqs": str(seqs), "gpu_memory_utilization": "0.9"}] * replicas
         return {**copy.deepcopy(api.llmd["status"]), **counts}, live
 
-    first, api, _, _ = run_window("Auto", Observation(calm), now=0)
+    tp = {"tensorParallelSize": 2}  # raises are not live there: they still roll out
+    first, api, _, _ = run_window("Auto", Observation(calm), now=0, engine=tp)
     status, live = rolled_out(api, 2, 64)
-    lent, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=60)
+    lent, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=60,
+                                            engine=tp)
     assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(3, 64)]
     assert lent["state"]["cover"]["phase"] == "adding"
     assert events[0][1] == "TuningApplied" and events[0][2].startswith(
@@ -400,24 +429,27 @@ def test_a_covered_engine_knob_change_lends_an_engine_for_its_rollout_and_gives_
     assert api.llmd["spec"]["replicas"] == 2  # the user's, untouched
     # The engine is Ready: the bigger batch, rendered on 3 engines.
     status, live = rolled_out(api, 3, 64)
-    _, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=120)
+    _, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=120,
+                                         engine=tp)
     assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(3, 128)]
     assert events == [
         ("Normal", "TuningKept", "1 engines added to cover the rollout of maxNumSeqs 64 -> 128 "
          "Ready"),
         ("Normal", "TuningApplied", events[1][2]),
+        ("Normal", "TuningRollingRestart", events[2][2]),
     ]  # fmt: skip
     assert events[1][2].startswith("maxNumSeqs 64 -> 128: the 1 engines added to cover")
     # Rolled out, one full window, judged and kept: the engine goes back.
     status, live = rolled_out(api, 3, 128)
-    _, api, _, _ = run_window("Auto", Observation(calm, live=live), status, now=180)
+    _, api, _, _ = run_window("Auto", Observation(calm, live=live), status, now=180, engine=tp)
     status, live = rolled_out(api, 3, 128)
-    judged, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=240)
+    judged, api, events, applied = run_window("Auto", Observation(calm, live=live), status, now=240,
+                                              engine=tp)
     assert [(s["replicas"], s["engine"]["maxNumSeqs"]) for s in applied] == [(2, 128)]
     assert [e[1] for e in events] == ["TuningKept", "TuningApplied"]
     assert "giving back the 1 engines added to cover" in events[1][2]
-    assert api.llmd["status"]["tuning"]["overrides"] == {
-        MAX_NUM_SEQS: {"value": 128, "specValue": 64}
+    assert api.llmd["status"]["tuning"]["overrides"] == {  # no engine pod: by restart
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64, "live": False}
     }
     assert judged["state"].get("cover") is None
     assert [d["outcome"].split(":")[0] for d in judged["decisions"]] == ["kept", "kept", "watching"]
@@ -498,3 +530,82 @@ def test_runner_holds_and_says_so_when_prometheus_is_unreachable() -> None:
     assert (condition["status"], condition["reason"]) == ("False", "Unreachable")
     assert tuning["lastDecision"]["action"] == "hold"
     assert events == [("Warning", "MetricsUnreachable", condition["message"])]
+
+
+def engine_pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    return {"metadata": {"name": name}, "status": {"podIP": ip, "conditions": [condition]}}
+
+
+class AdminApis:
+    """The engines' admin APIs: records each change asked of them; ``refuse`` maps a pod
+    address to the (status, message) its engine answers instead of applying."""
+
+    def __init__(self, refuse: dict[str, tuple[int, str]] | None = None) -> None:
+        self.posts: list[tuple[str, str, dict[str, Any]]] = []
+        self.refuse = refuse or {}
+
+    async def __call__(self, url: str, key: str, body: dict[str, Any]):
+        self.posts.append((url, key, body))
+        address = url.split("//", 1)[1].split(":", 1)[0]
+        if address in self.refuse:
+            status, message = self.refuse[address]
+            return status, {"error": {"message": message}}
+        return 200, {"status": "applied", "seconds": 0.02, "plan": {"capture_needed": False}}
+
+
+PODS = [engine_pod("m-b", "10.0.0.2"), engine_pod("m-a", "10.0.0.1"),
+        engine_pod("m-c", "10.0.0.3", ready=False)]  # fmt: skip
+
+
+def test_an_engine_knob_change_is_made_live_pod_by_pod_judged_and_restarts_nothing() -> None:
+    queued = Observation(QUEUED_WITH_FREE_KV)
+    admin = AdminApis()
+    _, api, _, _ = run_window("Auto", queued, now=0, pods=PODS, post_change=admin)
+    before = desired_objects(api.llmd, service_monitor_api=False)
+    changed, api, events, applied = run_window(
+        "Auto", queued, copy.deepcopy(api.llmd["status"]), now=60, pods=PODS, post_change=admin)
+    # Ready pods only, one after the other, by address and with the Secret's key.
+    assert [post[0] for post in admin.posts] == [
+        "http://10.0.0.1:8001/admin/engine-config", "http://10.0.0.2:8001/admin/engine-config"]
+    assert {post[2]["max_num_seqs"] for post in admin.posts} == {128}
+    assert len({post[1] for post in admin.posts}) == 1 and len(admin.posts[0][1]) >= 32
+    assert api.llmd["status"]["tuning"]["overrides"] == {
+        MAX_NUM_SEQS: {"value": 128, "specValue": 64, "live": True}}
+    assert [e[1] for e in events] == ["TuningApplied", "TuningAppliedLive"]
+    assert "m-a in 0.02s; m-b in 0.02s" in events[1][2]
+    assert changed["decisions"][-1]["applied"].startswith("applied live")
+    # The pods start tuned (the ConfigMap says 128) but the pod template is unchanged.
+    after = desired_objects(api.llmd, service_monitor_api=False)
+    assert after[0]["data"]["maxNumSeqs"] == "128" and before[0]["data"]["maxNumSeqs"] == "64"
+    assert after[1]["spec"]["template"] == before[1]["spec"]["template"]
+    assert [s["engine"]["maxNumSeqs"] for s in applied] == [128]
+    # Every engine reports the new value: judged on the full window after it, and kept.
+    status = {**copy.deepcopy(api.llmd["status"]), "replicas": 2, "updatedReplicas": 2,
+              "readyReplicas": 2}  # fmt: skip
+    live = Observation(QUEUED_WITH_FREE_KV,
+                       live=[{"max_num_seqs": "128", "gpu_memory_utilization": "0.9"}] * 2)
+    for now in (120, 180):
+        judged, api, events, _ = run_window("Auto", live, status, now=now, pods=PODS,
+                                            post_change=admin)  # fmt: skip
+        status = {**copy.deepcopy(api.llmd["status"]), **{k: 2 for k in (
+            "replicas", "updatedReplicas", "readyReplicas")}}  # fmt: skip
+    assert judged["decisions"][-1]["outcome"].startswith("kept")
+
+
+def test_a_change_an_engine_cannot_take_live_rolls_out_by_restart() -> None:
+    queued = Observation(QUEUED_WITH_FREE_KV)
+    admin = AdminApis(refuse={"10.0.0.2": (409, "takes only lower batch limits live")})
+    _, api, _, _ = run_window("Auto", queued, now=0, pods=PODS, post_change=admin)
+    before = desired_objects(api.llmd, service_monitor_api=False)[1]
+    _, api, events, _ = run_window("Auto", queued, copy.deepcopy(api.llmd["status"]), now=60,
+                                   pods=PODS, post_change=admin)  # fmt: skip
+    assert len(admin.posts) == 2  # the first pod took it; the second refused
+    override = api.llmd["status"]["tuning"]["overrides"][MAX_NUM_SEQS]
+    assert override == {"value": 128, "specValue": 64, "live": False}
+    assert events[-1][1] == "TuningRollingRestart"
+    assert "m-b: HTTP 409: takes only lower batch limits live" in events[-1][2]
+    after = desired_objects(api.llmd, service_monitor_api=False)[1]
+    annotation = "pagoda.dev/engine-settings"
+    template = after["spec"]["template"]["metadata"]["annotations"]
+    assert template[annotation] != before["spec"]["template"]["metadata"]["annotations"][annotation]

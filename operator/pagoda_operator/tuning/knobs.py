@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda_operator.desired import rollout_strategy
+from pagoda_operator.live_settings import live_enabled
 from pagoda_operator.overrides import (
     recorded_overrides,
     settings_of,
@@ -77,6 +78,8 @@ def limits_from_spec(spec: dict[str, Any]) -> Limits:
             or int(spec["startupTimeoutSeconds"]) + ROLLOUT_DEADLINE_MARGIN_SECONDS
         ),
         rollout_unavailable=rollout_unavailable(spec),
+        # A tensor-parallel engine takes only lower batch limits live: its raises restart.
+        engine_knobs_live=live_enabled(spec) and int(spec["engine"]["tensorParallelSize"]) == 1,
     )
 
 

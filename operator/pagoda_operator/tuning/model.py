@@ -80,6 +80,10 @@ class Limits:
     # rollout with a surge and maxUnavailable 0 starts each new engine before an old one
     # stops, and loses none.
     rollout_unavailable: int | None = 1
+    # The engines take maxNumSeqs and gpuMemoryUtilization live (``tuning.live``): a change
+    # costs a step or a CUDA-graph capture, no engine leaves service, so the rules need not
+    # time it around a rollout (one that cannot be made live still rolls out by restart).
+    engine_knobs_live: bool = False
 
 
 @dataclass(frozen=True)

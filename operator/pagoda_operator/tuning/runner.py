@@ -8,6 +8,8 @@ the user's); the reconciler renders the Deployment from both.
 from __future__ import annotations
 
 import base64
+import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.live_settings import ENGINE_SETTINGS, live_enabled
 from pagoda_operator.overrides import effective_spec, recorded_overrides
 from pagoda_operator.reconcile import EmitEvent, llmd_path
 from pagoda_operator.spec import validate_spec, with_defaults
@@ -29,7 +32,8 @@ from pagoda_operator.tuning.knobs import (
     rollout_complete,
     with_change,
 )
-from pagoda_operator.tuning.policy import Decision, decide
+from pagoda_operator.tuning.live import LiveOutcome, PostChange, apply_live, post_change
+from pagoda_operator.tuning.policy import Decision, decide, fmt
 from pagoda_operator.tuning.prometheus import Observation, PrometheusEndpoint, observe
 from pagoda_operator.tuning.record import (
     Event,
@@ -76,11 +80,13 @@ async def tune(
     apply_owned: ApplyOwned,
     observe_fn: Observe = observe,
     clock: Callable[[], float] = time.time,
+    post_change: PostChange = post_change,
 ) -> dict[str, Any] | None:
     """Runs one window; returns the ``status.tuning`` it wrote (None when tuning is off).
 
-    The tuner's state and overrides live in the status, and the window starts from a fresh
-    read of it: the body kopf hands the timer may predate this tuner's own last write. The
+    An engine-knob change is first made in the running engines (``tuning.live``), pod by
+    pod; only one they cannot take live rolls out by restart. The tuner's state and
+    overrides live in the status, and the window starts from a fresh read of it: the body kopf hands the timer may predate this tuner's own last write. The
     write is conditional on the resourceVersion read; on a conflict the window is decided
     again (on the same metrics) from a new read, so no write ever rests on a stale state.
     """
@@ -99,8 +105,14 @@ async def tune(
     except CredentialsError as error:
         observation = Observation(None, str(error), "CredentialsMissing")
     now = clock()
+    tried: dict[tuple[str, float], LiveOutcome] = {}  # a re-decided window asks engines once
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         window = decide_window(fresh, observation, now)
+        change = live_change(fresh, window.decision)
+        if change is not None:
+            if change not in tried:
+                tried[change] = await apply_live(client, fresh, *change, post_change)
+            window = with_live_outcome(window, tried[change])
         decision = window.decision
         judged = decision.verdict not in (None, decision.reason)  # a revert says it already
         logger.info(
@@ -192,6 +204,38 @@ def decide_window(llmd: dict[str, Any], observation: Observation, now: float) ->
         events,
         overrides_changed=overrides != recorded,
     )
+
+
+def live_change(llmd: dict[str, Any], decision: Decision) -> tuple[str, float] | None:
+    """(knob, value) when this decision sets an engine knob the engines may take live."""
+    spec = with_defaults(llmd.get("spec") or {})
+    if decision.action not in ("change", "revert") or decision.knob not in ENGINE_SETTINGS:
+        return None
+    if not live_enabled(spec) or decision.new is None:
+        return None
+    return decision.knob, decision.new
+
+
+def with_live_outcome(window: Window, outcome: LiveOutcome) -> Window:
+    """The window's status and Events with how its live change went: the override says
+    whether it was applied live (one that was not rolls out by restart: the pod template
+    changes, see ``live_settings.restart_hash``), and so do the decision and an Event."""
+    decision = window.decision
+    tuning = copy.deepcopy(window.status["tuning"])
+    override = (tuning.get("overrides") or {}).get(decision.knob)
+    if isinstance(override, dict):
+        override["live"] = outcome.live
+    decisions = tuning.get("decisions") or []
+    if decisions and decisions[-1].get("knob") == decision.knob:
+        decisions[-1]["applied"] = outcome.summary()
+    change = f"{decision.knob} {fmt(decision.old)} -> {fmt(decision.new)}"
+    if outcome.live:
+        event = ("Normal", "TuningAppliedLive", f"{change}: {outcome.summary()}")
+    else:
+        event = ("Normal", "TuningRollingRestart",
+                 f"{change} rolls out by restart: {outcome.summary()}")  # fmt: skip
+    return dataclasses.replace(window, status={**window.status, "tuning": tuning},
+                               events=[*window.events, event])  # fmt: skip
 
 
 def replacing(before: Any, after: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The rules for maxNumSeqs: the sequences an engine batches. Every engine restarts to take
+"""The rules for maxNumSeqs: the sequences an engine batches. Where the engines take it live
+(``Limits.engine_knobs_live``) a change costs a step; otherwise every engine restarts to take
 a new value, so a raise is made where the engines left serving through the rollout carry
 the load (with engines added first to cover it where they would not: ``cover``)."""
 
@@ -55,6 +56,8 @@ def overload_raise(ctx: Context, why: str) -> list[Proposal]:
     can_add = REPLICAS in limits.bounds and ctx.replicas < limits.bounds[REPLICAS][1]
     per_pod = ctx.capacity or snapshot.requests_per_s / pods
     down = pods if limits.rollout_unavailable is None else min(limits.rollout_unavailable, pods)
+    if limits.engine_knobs_live:
+        down = 0  # taken live: no engine leaves service (a severe overload still adds engines)
     carried = (
         (down == 0 and not severe(snapshot, limits, config))
         or (pods - down) * per_pod >= demand_per_s(snapshot)
@@ -96,8 +99,10 @@ def calm_raise(ctx: Context) -> list[Proposal]:
         return []
     # Engines are lent to the rollout only where those left serving are not known to carry
     # the load (no saturated rate measured, or one too close): a GPU is not spent for nothing.
+    # Live engine knobs take no engine out of service: nothing to carry, none to lend.
     cover = 0
-    if not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, 0, config):
+    live = limits.engine_knobs_live
+    if not live and not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, 0, config):
         cover = cover_engines(ctx.replicas, limits)
         if not cover or not rollout_carried_calm(snapshot, seqs, limits, ctx.capacity, cover, config):
             return []

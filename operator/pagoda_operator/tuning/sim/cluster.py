@@ -63,6 +63,8 @@ class Result:
     preemptions: int = 0
     rollouts: int = 0  # changes of the Deployment (each one a rolling update or a scale)
     dropped: int = 0  # requests cut off mid-answer when a drain ran out
+    live_changes: int = 0  # engine-knob changes made live (not counted in ``rollouts``)
+    live_stall_s: float = 0.0  # the engine time they took, all engines together
 
     @property
     def attainment(self) -> float:
@@ -111,11 +113,17 @@ class Cluster:
         seed: int = 0,
         max_surge: int = 0,
         max_unavailable: int = 1,
+        live: bool = False,
     ):
+        """``live``: engine-knob changes are made in the running engines (the admin API)
+        instead of by a rollout."""
         if max_surge == 0 and max_unavailable == 0:
             raise ValueError("maxSurge and maxUnavailable cannot both be 0")
         self.model = model
         self.max_surge, self.max_unavailable = max_surge, max_unavailable
+        self.live = live
+        self.live_stall_s = 0.0  # engine time live changes took, all engines together
+        self.live_busy_until = 0.0  # the engine being changed live answers then
         self.desired = {
             REPLICAS: replicas,
             MAX_NUM_SEQS: max_num_seqs,
@@ -161,6 +169,17 @@ class Cluster:
             loads[index] += 1
 
     def rollout(self, now: float) -> None:
+        if self.live and now >= self.live_busy_until:
+            # The tuner posts the change to one engine after the other, each answering once
+            # it is in effect: one engine at a time stalls, none restarts.
+            behind = [r for r in self.active() if r.ready(now) and r.settings != self.target]
+            if behind:
+                stall = behind[0].retune(*self.target)
+                self.live_stall_s += stall
+                self.live_busy_until = now + stall
+        self._roll_out(now)
+
+    def _roll_out(self, now: float) -> None:
         """The Deployment controller with spec.rollout's RollingUpdate (the product's
         default: maxSurge 0, maxUnavailable 1): scale to ``desired`` replicas, and replace
         replicas with other settings while at most ``desired + maxSurge`` run and at least
@@ -168,9 +187,9 @@ class Cluster:
         before an old one stops; a stopped one drains (``_drain``)."""
         desired = int(self.desired[REPLICAS])
         active = self.active()
-        old = [r for r in active if r.settings != self.target]
+        old = [r for r in active if not self._current(r)]
         most = desired + (self.max_surge if old else 0)
-        by_preference = sorted(active, key=lambda r: (r.settings == self.target, r.ready(now)))
+        by_preference = sorted(active, key=lambda r: (self._current(r), r.ready(now)))
         for replica in by_preference[: max(0, len(active) - most)]:
             self._drain(replica, now)
         self._scale_up_new(desired, now)
@@ -178,8 +197,8 @@ class Cluster:
         # new ones still starting count as unavailable (the controller's maxScaledDown);
         # those not ready go first.
         active = self.active()
-        old = sorted((r for r in active if r.settings != self.target), key=lambda r: r.ready(now))
-        starting_new = sum(not r.ready(now) for r in active if r.settings == self.target)
+        old = sorted((r for r in active if not self._current(r)), key=lambda r: r.ready(now))
+        starting_new = sum(not r.ready(now) for r in active if self._current(r))
         budget = len(active) - (desired - self.max_unavailable) - starting_new
         ready_budget = sum(r.ready(now) for r in active) - (desired - self.max_unavailable)
         for replica in old[: max(0, budget)]:
@@ -195,10 +214,15 @@ class Cluster:
         """New replicas up to ``desired`` of them, within ``desired + maxSurge`` in all
         while old ones run."""
         active = self.active()
-        new = [r for r in active if r.settings == self.target]
+        new = [r for r in active if self._current(r)]
         most = desired + (self.max_surge if len(new) < len(active) else 0)
         count = max(0, min(most - len(active), desired - len(new)))
         self.replicas += [self._new_replica(now) for _ in range(count)]
+
+    def _current(self, replica: Replica) -> bool:
+        """Runs the Deployment's settings: with live changes every replica does (it is
+        changed in place, ``rollout``), else those started with them."""
+        return self.live or replica.settings == self.target
 
     def _new_replica(self, now: float) -> Replica:
         return Replica(self.model, *self.target, now + self.model.startup_s)
@@ -287,13 +311,15 @@ def simulate(
     max_num_batched_tokens: int | None = None,
     max_surge: int = 0,
     max_unavailable: int = 1,
+    live: bool = False,
 ) -> Result:
     """Plays ``trace``; with ``limits`` the tuner (Auto) moves the knobs, with
     ``autoscaler`` a queue-driven autoscaler moves replicas, with neither the configuration
     stays as ``start`` says. ``give_up_misses`` ends a run early once that many SLO windows
     are missed (a static sweep needs no more); ``max_num_batched_tokens`` is the engines'
     step budget when the spec sets one (else the calibration bench's); ``max_surge`` and
-    ``max_unavailable`` are spec.rollout's (the product's default: 0 and 1)."""
+    ``max_unavailable`` are spec.rollout's (the product's default: 0 and 1); ``live``:
+    engine-knob changes are made in the running engines (``Cluster``)."""
     rng = np.random.default_rng(seed)
     model = engine_model(trace.model)
     if max_num_batched_tokens is not None:
@@ -303,8 +329,10 @@ def simulate(
         model,
         int(start[REPLICAS]), int(start[MAX_NUM_SEQS]), start[GPU_MEMORY_UTILIZATION],
         routing=routing, seed=seed, max_surge=max_surge, max_unavailable=max_unavailable,
+        live=live,
     )  # fmt: skip
     timeline, state, rollouts = Timeline(ttft_target_s=ttft_target_s), None, 0
+    live_changes = 0
     window_ttfts: list[float] = []
     slo_met = slo_windows = 0
     steps_per_interval = round(interval_s / TICK_S)
@@ -328,7 +356,8 @@ def simulate(
                 timeline.decisions.append({"time": now, **decision.as_dict()})
             if decision.action in ("change", "revert"):
                 cluster.desired[str(decision.knob)] = float(decision.new or 0)
-                rollouts += 1
+                live_changes += live and decision.knob != REPLICAS
+                rollouts += not (live and decision.knob != REPLICAS)
         elif autoscaler is not None:
             current = int(cluster.desired[REPLICAS])
             wanted = autoscaler.desired(current, snapshot, now)
@@ -349,7 +378,7 @@ def simulate(
                 break
     return Result(
         cluster.gpu_seconds / 3600, slo_met, slo_windows, timeline, cluster.preemptions, rollouts,
-        cluster.dropped,
+        cluster.dropped, live_changes, cluster.live_stall_s,
     )
 
 

@@ -52,6 +52,9 @@ class EngineModel:
     max_num_batched_tokens: int
     startup_s: float
     provisional: bool
+    # CUDA-graph capture at start-up (measured): what a live change that must capture again
+    # stalls the engine for (the engine captures every size again, ``inference.reconfigure``).
+    capture_s: float = 0.0
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float) -> int:
         us, tokens = zip(*self.kv_rows)
@@ -98,6 +101,7 @@ def fit(name: str, measured: dict, provisional: bool = False) -> EngineModel:
     return EngineModel(
         name, measured["kv_bytes_per_token"], kv_rows, decode, prefill, budget,
         POD_START_S + measured["startup_s"] + weights_s, provisional,
+        float((measured.get("startup_phases") or {}).get("capture_s", 0.0)),
     )  # fmt: skip
 
 
@@ -161,6 +165,7 @@ class Replica:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.capacity = model.kv_capacity_tokens(gpu_memory_utilization)
         self.ready_at = ready_at
+        self.captured_max_num_seqs = self.max_num_seqs  # the largest batch with a graph
         self.draining = False
         self.drain_deadline = float("inf")
         self.busy_s = 0.0
@@ -176,6 +181,22 @@ class Replica:
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at
+
+    def retune(self, max_num_seqs: int, gpu_memory_utilization: float) -> float:
+        """A live change (the admin API): the new limits from the next step, after a stall
+        of one step, or of a graph capture where the engine captures again (a batch past
+        the largest captured one, or a KV cache reallocated). Nothing is dropped: a cache
+        that shrinks under its sequences preempts the newest, as when it runs out. Returns
+        the stall."""
+        recapture = (max_num_seqs > self.captured_max_num_seqs
+                     or gpu_memory_utilization != self.gpu_memory_utilization)  # fmt: skip
+        stall = self.model.capture_s if recapture else self.model.decode_step_s(1, 0.0)
+        self.captured_max_num_seqs = max(self.captured_max_num_seqs, int(max_num_seqs))
+        self.max_num_seqs = int(max_num_seqs)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.capacity = self.model.kv_capacity_tokens(gpu_memory_utilization)
+        self.backlog_s += stall
+        return stall
 
     @property
     def settings(self) -> tuple[int, float]:

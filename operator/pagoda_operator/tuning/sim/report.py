@@ -2,13 +2,15 @@
 
     cd operator && python -m pagoda_operator.tuning.sim.report --out tuning-results
 
-The three starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
+The four starts (``SETUPS``): the product's defaults (the engine's resolved defaults,
 ``maxNumSeqs`` 1024 and ``gpuMemoryUtilization`` 0.9, the tuner's default cooldown), the
 shipped autoscaled GPU sample (``manifests/samples/llmdeployment-gpu-autoscaled.yaml``:
 ``maxNumSeqs`` 256, its tuning bounds, batch budget and cooldown, and its autoscaler's
 target), and the same sample
 with ``spec.rollout`` maxSurge 1 and maxUnavailable 0 (a knob change rolls out on a spare
-GPU, without taking an engine away). In each, side
+GPU, without taking an engine away), and the same sample with engine-knob changes made
+live (the engines' admin API, as the operator does in Auto: a change stalls one engine at a
+time for a step or a CUDA-graph capture, and restarts none). In each, side
 by side from the same start with the same replica bounds, a look every 60 s and a
 Service's random spread:
 
@@ -70,6 +72,7 @@ class Setup:
     max_num_batched_tokens: int | None = None  # None: the engine's (the bench's) budget
     max_surge: int = 0  # spec.rollout; the product's default rolls out one engine at a time,
     max_unavailable: int = 1  # stopping each before its successor starts
+    live: bool = False  # engine-knob changes made in the running engines (the admin API)
 
 
 SETUPS = {
@@ -126,6 +129,20 @@ SETUPS["gpu-sample-surge"] = dataclasses.replace(
     max_surge=1,
     max_unavailable=0,
 )
+# The same sample with engine-knob changes made live (the admin API, as the operator does
+# in Auto): a change stalls each engine for a step, or for a CUDA-graph capture (measured
+# at start-up: 14.5 s) where it raises the batch past the captured graphs or resizes the
+# KV cache; no engine restarts and none leaves service.
+SETUPS["gpu-sample-live"] = dataclasses.replace(
+    SETUPS["gpu-sample"],
+    name="gpu-sample-live",
+    description=SETUPS["gpu-sample"].description.replace(
+        "the shipped GPU sample: ",
+        "the shipped GPU sample with engine-knob changes made live (the admin API: a step's "
+        "or a graph capture's stall, no restart): ",
+    ),
+    live=True,
+)
 DEFAULTS = SETUPS["defaults"]
 START = DEFAULTS.start
 
@@ -134,7 +151,8 @@ def limits_for(trace: Trace, knobs: bool = True, setup: Setup = DEFAULTS) -> Lim
     """The user's limits: all three knobs, or replicas only (the knob-off ablation)."""
     common = dict(cooldown_s=setup.cooldown_s, ttft_target_s=trace.ttft_target_s,
                   max_num_batched_tokens=setup.max_num_batched_tokens,
-                  rollout_unavailable=setup.max_unavailable)  # fmt: skip
+                  rollout_unavailable=setup.max_unavailable,
+                  engine_knobs_live=setup.live)  # fmt: skip
     if knobs:
         return Limits(bounds=setup.bounds, fixed={}, **common)
     return Limits(
@@ -199,7 +217,8 @@ def run_approach(setup_name: str, trace_name: str, approach: str) -> Result:
         return simulate(trace, setup.start, autoscaler=scaler, interval_s=AUTOSCALER_PERIOD_S,
                         **common)  # fmt: skip
     limits = limits_for(trace, knobs=approach == "tuned", setup=setup)
-    return simulate(trace, setup.start, limits=limits, interval_s=INTERVAL_S, **common)
+    return simulate(trace, setup.start, limits=limits, interval_s=INTERVAL_S, live=setup.live,
+                    **common)  # fmt: skip
 
 
 def summarize(result: Result) -> dict[str, Any]:
@@ -209,6 +228,8 @@ def summarize(result: Result) -> dict[str, Any]:
         "gpu_hours": result.gpu_hours,
         "preemptions": result.preemptions,
         "rollouts": result.rollouts,
+        "live_changes": result.live_changes,
+        "live_stall_s": result.live_stall_s,
         "dropped": result.dropped,
         "max_num_seqs_range": [min(line.max_num_seqs), max(line.max_num_seqs)],
         "gpu_memory_utilization_range": [min(line.gpu_memory_utilization),
@@ -333,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                            "max_num_batched_tokens": setup.max_num_batched_tokens,
                            "rollout": {"maxSurge": setup.max_surge,
                                        "maxUnavailable": setup.max_unavailable},
-                           "traces": rows})  # fmt: skip
+                           "live": setup.live, "traces": rows})  # fmt: skip
     results = {"calibration": _calibration(), "setups": setups}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     (args.out / "results.md").write_text(_markdown(setups))
@@ -351,7 +372,7 @@ def _calibration() -> dict[str, Any]:
     return {"model": model.name, "provisional": model.provisional,
             "decode_s": model.decode, "prefill_s": model.prefill,
             "kv_tokens_at_0.9": model.kv_capacity_tokens(0.9),
-            "startup_s": model.startup_s}  # fmt: skip
+            "startup_s": model.startup_s, "capture_s": model.capture_s}  # fmt: skip
 
 
 def _rows(row: dict) -> list[str]:
@@ -360,9 +381,11 @@ def _rows(row: dict) -> list[str]:
         run = row[name]
         seqs = "-".join(str(v) for v in sorted(set(run["max_num_seqs_range"])))
         memory = "-".join(f"{v:g}" for v in sorted(set(run["gpu_memory_utilization_range"])))
+        live = run.get("live_changes", 0)
+        rollouts = f"{run['rollouts']}" + (f" (+{live} live)" if live else "")
         lines.append(
             f"| {row['trace']} | {name} | {run['attainment']:.1%} | {run['gpu_hours']:.2f} "
-            f"| {run['preemptions']} | {run['rollouts']} | {seqs} | {memory} |"
+            f"| {run['preemptions']} | {rollouts} | {seqs} | {memory} |"
         )
     best = row["best_static"]
     if best is None:
