@@ -46,19 +46,6 @@ MEAN_BOUND, MAX_BOUND = 5e-4, 3e-2
 BF16_MEAN_BOUND = 0.05
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _ieee_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module")
 def sharp(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fp8kv-llama")

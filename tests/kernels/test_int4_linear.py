@@ -86,9 +86,8 @@ def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) ->
     dict(block_n=16, block_w=32, split=1, rows=1), dict(block_n=8, block_w=16, split=3, rows=2),
     dict(block_n=16, block_w=16, split=2, rows=4), dict(block_n=32, block_w=64, split=4, rows=4),
 ])  # fmt: skip
-@pytest.mark.parametrize("vec", [False, True])
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
-def test_word_gemv_every_launch_shape(n, k, group_size, config, vec) -> None:
+def test_word_gemv_every_launch_shape(n, k, group_size, config) -> None:
     """The word GEMV at explicit launches: K split into slices (some empty past K), row
     blocks with rows past M, tiles past N, per-channel K not a multiple of 8, bias."""
     from kernels._triton.int4_linear import WordsConfig, int4_gemv_words, words_eligible
@@ -100,8 +99,7 @@ def test_word_gemv_every_launch_shape(n, k, group_size, config, vec) -> None:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         bias = torch.randn(n) if m != 3 else None
         out = torch.full((m, n), float("nan"))
-        int4_gemv_words(x, qweight, scales, zeros, size, bias, out,
-                        WordsConfig(**config, vec=vec))  # fmt: skip
+        int4_gemv_words(x, qweight, scales, zeros, size, bias, out, WordsConfig(**config))
         want = x.double() @ weight.T + (0 if bias is None else bias.double())
         assert rel_err(out, want) < TOLERANCE[torch.float32], (m, config)
 
