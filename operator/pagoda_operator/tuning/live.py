@@ -22,7 +22,6 @@ from typing import Any
 
 import aiohttp
 
-from pagoda_operator.desired import owner_reference, selector_labels
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
 from pagoda_operator.live_settings import (
     ADMIN_PORT,
@@ -30,6 +29,7 @@ from pagoda_operator.live_settings import (
     ENGINE_SETTINGS,
     admin_secret_name,
 )
+from pagoda_operator.metadata import owner_reference, selector_labels
 
 ADMIN_PATH = "/admin/engine-config"
 ADMIN_TIMEOUT_S = 120.0  # a change with a CUDA-graph capture takes seconds to a minute
