@@ -79,14 +79,16 @@ def test_namespace_scoped_install_grants_nothing_cluster_wide(helm: str) -> None
 
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a}"]])
 def test_secrets_are_only_read_one_by_one(helm: str, values: list[str]) -> None:
-    """The operator reads only the Prometheus token and CA Secrets an LLMDeployment names
-    (model credentials and API keys reach the pods through secretKeyRef): get, never list
-    or watch, which would hand it every Secret's content."""
+    """The operator reads only the Secrets it is told of by name: the Prometheus token and
+    CA an LLMDeployment names, and the admin key it created for a tuned LLMDeployment's
+    engines (model credentials and API keys reach the pods through secretKeyRef): get and
+    create, never list, watch, update or delete, which would hand it every Secret's
+    content or let it rewrite keys it does not own."""
     documents = render(helm, values)
     for role in by_kind(documents, "Role") + by_kind(documents, "ClusterRole"):
         for rule in role["rules"]:
             if "secrets" in rule["resources"]:
-                assert rule["verbs"] == ["get"], role["metadata"]["name"]
+                assert rule["verbs"] == ["get", "create"], role["metadata"]["name"]
 
 
 def test_bad_watch_namespaces_are_refused(helm: str) -> None:
