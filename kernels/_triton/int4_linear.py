@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.linear import _splitk_reduce_kernel
+from kernels._triton.linear import _splitk_reduce_kernel, _store_row
 from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
@@ -63,19 +63,6 @@ def _x_at(x_ptr, row, M, stride_x, ks, zero_n, K):
     r = tl.minimum(row, M - 1).to(tl.int64)
     ptrs = x_ptr + r * stride_x + zero_n[:, None] + ks[None, :]
     return tl.load(ptrs, mask=(ks < K)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_words_row(acc, row, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
-                     USE_WS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    total = tl.sum(acc, axis=1)
-    mask = (offs_n < N) & (row < M)
-    if USE_WS:
-        tl.store(ws_ptr + (pid_k * M + row).to(tl.int64) * N + offs_n, total, mask=mask)
-    else:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -135,15 +122,16 @@ def _int4_gemv_words_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr,
                            axis=2)  # fmt: skip
             acc3 += tl.sum(w * tl.load(x_ptrs + r3, mask=k_mask, other=0.0).to(tl.float32),
                            axis=2)  # fmt: skip
-    _store_words_row(acc0, row0, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, USE_WS, HAS_BIAS)
+    _store_row(acc0, row0, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, N,
+               HAS_BIAS, USE_WS, False, BLOCK_N)  # fmt: skip
     if ROWS > 1:
-        _store_words_row(acc1, row0 + 1, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
-                         USE_WS, HAS_BIAS)  # fmt: skip
+        _store_row(acc1, row0 + 1, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, N,
+                   HAS_BIAS, USE_WS, False, BLOCK_N)  # fmt: skip
     if ROWS > 2:
-        _store_words_row(acc2, row0 + 2, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
-                         USE_WS, HAS_BIAS)  # fmt: skip
-        _store_words_row(acc3, row0 + 3, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N,
-                         USE_WS, HAS_BIAS)  # fmt: skip
+        _store_row(acc2, row0 + 2, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, N,
+                   HAS_BIAS, USE_WS, False, BLOCK_N)  # fmt: skip
+        _store_row(acc3, row0 + 3, pid_k, out_ptr, ws_ptr, bias_ptr, offs_n, M, N, N,
+                   HAS_BIAS, USE_WS, False, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
