@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # The tuner is not a kopf timer: kopf puts a finalizer on every object a timer runs for,
     # and with the CRD kept on uninstall, deleting a tuned LLMDeployment would then hang for
     # good once the operator is gone. A loop of our own needs no finalizer.
+    memo.object_locks = weakref.WeakValueDictionary()
     memo.tuner_running = {}
     memo.tuner_events = set()
     memo.tuner = asyncio.create_task(tuner_loop(memo))
@@ -100,16 +102,38 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
 async def reconcile_llmdeployment(
     body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    await reconcile(
-        memo.client,
-        plain(body),
-        emit=event_emitter(body),
-        default_image=memo.default_image,
-        picker_image=memo.picker_image,
-        service_monitors=memo.service_monitors,
-        monitor=memo.monitor,
-        logger=logger,
-    )
+    llmd = plain(body)
+    async with object_lock(memo, llmd):
+        await reconcile(
+            memo.client,
+            llmd,
+            emit=event_emitter(body),
+            default_image=memo.default_image,
+            picker_image=memo.picker_image,
+            service_monitors=memo.service_monitors,
+            monitor=memo.monitor,
+            logger=logger,
+        )
+
+
+def object_lock(memo: kopf.Memo, llmd: Mapping[str, Any]) -> asyncio.Lock:
+    """The one lock of an LLMDeployment: its reconciles (kopf's handlers, owned objects'
+    events, the recheck and the tuner's) and the tuner's status writes take turns.
+
+    A reconcile renders the Deployment from a fresh read of the spec and the tuner's
+    overrides; one that read before the tuner recorded an override and applied after it
+    would roll the engines back to the old value, and the next reconcile forward again (a
+    restart each). Held, the lock keeps a reconcile's read and its apply on one side of
+    every tuner write. Locks are dropped with the last task that holds one."""
+    locks = getattr(memo, "object_locks", None)
+    if locks is None:
+        locks = memo.object_locks = weakref.WeakValueDictionary()
+    meta = llmd.get("metadata") or {}
+    key = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
+    lock = locks.get(key)
+    if lock is None:
+        lock = locks[key] = asyncio.Lock()
+    return lock
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)
@@ -141,16 +165,17 @@ async def owned_object_changed(
     if llmd is None:
         return
     try:
-        await reconcile(
-            memo.client,
-            llmd,
-            emit=event_emitter(llmd),
-            default_image=memo.default_image,
-            picker_image=memo.picker_image,
-            service_monitors=memo.service_monitors,
-            monitor=memo.monitor,
-            logger=logger,
-        )
+        async with object_lock(memo, llmd):
+            await reconcile(
+                memo.client,
+                llmd,
+                emit=event_emitter(llmd),
+                default_image=memo.default_image,
+                picker_image=memo.picker_image,
+                service_monitors=memo.service_monitors,
+                monitor=memo.monitor,
+                logger=logger,
+            )
     except kopf.TemporaryError as error:
         # Event handlers are not retried: the next event of this object or its owner is.
         logger.info("Reconcile after a change of %s deferred: %s", obj.get("kind"), error)
@@ -191,16 +216,17 @@ async def recheck_loop(memo: kopf.Memo) -> None:
             meta = llmd["metadata"]
             logger = ObjectLogger(RECHECK_LOGGER, {"object": f"{meta['namespace']}/{meta['name']}"})
             try:
-                await reconcile(
-                    memo.client,
-                    llmd,
-                    emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
-                    default_image=memo.default_image,
-                    picker_image=memo.picker_image,
-                    service_monitors=memo.service_monitors,
-                    monitor=memo.monitor,
-                    logger=logger,
-                )
+                async with object_lock(memo, llmd):
+                    await reconcile(
+                        memo.client,
+                        llmd,
+                        emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
+                        default_image=memo.default_image,
+                        picker_image=memo.picker_image,
+                        service_monitors=memo.service_monitors,
+                        monitor=memo.monitor,
+                        logger=logger,
+                    )
             except Exception as error:  # one object's trouble never ends the loop
                 logger.warning("Periodic reconcile failed; next round retries: %s", error)
 
@@ -269,18 +295,20 @@ async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
     meta = llmd["metadata"]
     logger = ObjectLogger(TUNER_LOGGER, {"object": f"{meta.get('namespace')}/{meta.get('name')}"})
     emit = api_event_emitter(memo.client, llmd, memo.tuner_events)
+    lock = object_lock(memo, llmd)
 
     async def apply_owned(current: dict[str, Any]) -> None:
-        await reconcile(
-            memo.client,
-            current,
-            emit=emit,
-            default_image=memo.default_image,
-            picker_image=memo.picker_image,
-            service_monitors=memo.service_monitors,
-            monitor=memo.monitor,
-            logger=logger,
-        )
+        async with lock:
+            await reconcile(
+                memo.client,
+                current,
+                emit=emit,
+                default_image=memo.default_image,
+                picker_image=memo.picker_image,
+                service_monitors=memo.service_monitors,
+                monitor=memo.monitor,
+                logger=logger,
+            )
 
     # Errors end the window, never the loop: the next window simply tries again.
     try:
@@ -291,6 +319,7 @@ async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
             logger=logger,
             window_s=tuning.window_seconds(),
             apply_owned=apply_owned,
+            lock=lock,
         )
     except Exception:
         TUNER_LOGGER.exception(

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from k8s.emulated_cluster import merge_patch
+from pagoda_operator import handlers
 from pagoda_operator.desired import desired_objects
 from pagoda_operator.kube import KubeError
 from pagoda_operator.overrides import effective_spec
@@ -322,6 +325,56 @@ def test_the_tuner_leaves_a_deployment_at_zero_replicas_alone() -> None:
     tuning, api, events, applied = run_window("Auto", observation, status)
     assert tuning == earlier
     assert [c[0] for c in api.calls] == ["GET"] and events == [] and applied == []
+
+
+def test_a_reconcile_in_flight_never_lands_a_deployment_from_before_the_tuners_write(
+    monkeypatch: Any,
+) -> None:
+    """A reconcile (a spec change, an owned object's event) reads the LLMDeployment and,
+    while it applies what it read, the tuner records an override and renders it. Were the
+    two to overlap, the older render would land last: the engines rolled back to the old
+    value, and forward again on the next reconcile (CI saw three restarts for one change)."""
+    observation = Observation(QUEUED_WITH_FREE_KV)
+    first, _, _, _ = run_window("Auto", observation)
+    llmd = {
+        "metadata": {"name": "m", "namespace": "ns", "uid": "uid-m"},
+        "spec": {**spec(mode="Auto"), "replicas": 2},
+        "status": {"tuning": first},
+    }
+
+    class Api(FakeApi):
+        async def post_event(self, *_: Any) -> None:
+            pass
+
+    api = Api(llmd)
+    rendered: list[int] = []
+
+    async def reconcile(client: Any, current: dict[str, Any], **_: Any) -> None:
+        read = await client.get(STATUS_PATH.removesuffix("/status"))
+        if not rendered:
+            await asyncio.sleep(0.5)  # the first one is slow to apply what it read
+        rendered.append(effective_spec(read)["engine"]["maxNumSeqs"])
+
+    async def observe(*_: Any) -> Observation:
+        return observation
+
+    monkeypatch.setattr(handlers, "reconcile", reconcile)
+    monkeypatch.setattr(runner, "tune", functools.partial(runner.tune, observe_fn=observe))
+    memo = SimpleNamespace(client=api, default_image="engine", picker_image="picker",
+                           service_monitors=False, monitor=None, tuner_events=set())  # fmt: skip
+
+    async def run() -> None:
+        spec_change = asyncio.create_task(
+            handlers.reconcile_llmdeployment(body=llmd, memo=memo, logger=logging.getLogger("t"))
+        )
+        await asyncio.sleep(0)  # it has read the LLMDeployment
+        await handlers.tune_llmdeployment(llmd, memo)
+        await spec_change
+        await asyncio.gather(*memo.tuner_events)
+
+    asyncio.run(run())
+    assert api.llmd["status"]["tuning"]["overrides"][MAX_NUM_SEQS]["value"] == 128
+    assert rendered == [64, 128]  # the tuner's render is the last to land
 
 
 def test_a_conflicting_write_is_decided_again_from_a_fresh_read() -> None:

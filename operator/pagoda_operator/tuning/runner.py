@@ -7,7 +7,9 @@ the user's); the reconciler renders the Deployment from both.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -81,14 +83,18 @@ async def tune(
     observe_fn: Observe = observe,
     clock: Callable[[], float] = time.time,
     post_change: PostChange = post_change,
+    lock: asyncio.Lock | None = None,
 ) -> dict[str, Any] | None:
     """Runs one window; returns the ``status.tuning`` it wrote (None when tuning is off).
 
     An engine-knob change is first made in the running engines (``tuning.live``), pod by
     pod; only one they cannot take live rolls out by restart. The tuner's state and
-    overrides live in the status, and the window starts from a fresh read of it: the body kopf hands the timer may predate this tuner's own last write. The
-    write is conditional on the resourceVersion read; on a conflict the window is decided
-    again (on the same metrics) from a new read, so no write ever rests on a stale state.
+    overrides live in the status, and the window starts from a fresh read of it: the body
+    kopf hands the timer may predate this tuner's own last write. The write is conditional
+    on the resourceVersion read; on a conflict the window is decided again (on the same
+    metrics) from a new read, so no write ever rests on a stale state. ``lock`` is the
+    object's reconcile lock (``handlers.object_lock``): the write waits for a reconcile in
+    flight, which would otherwise apply a Deployment rendered from before it.
     """
     path = llmd_path(llmd)
     fresh = await client.get(path)
@@ -122,9 +128,10 @@ async def tune(
             f" (judged: {decision.verdict})" if judged else "",
         )
         try:
-            written = await client.patch_status(
-                path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
-            )
+            async with lock or contextlib.nullcontext():
+                written = await client.patch_status(
+                    path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
+                )
             break
         except KubeError as error:
             if error.status != 409 or attempt == WRITE_ATTEMPTS:
