@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
 # table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
-# Parts: all | parity | structured | bench | serve | tp | fp8 | int4 | spec | lora.
+# Parts: all | parity | structured | bench | serve | tp | fp8 | int4 | spec | lora | long.
 # JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -83,6 +83,17 @@ if [[ $PART == all || $PART == lora ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tail -3
   $C.lora_bench --model qwen2.5-1.5b --steps 100 2>&1 | tail -8
 fi
+if [[ $PART == all || $PART == long ]]; then
+  # Long context (issue #32's rows): TTFT of 8k and 32k prompts, decode at those contexts,
+  # batch 1 and 16, KV blocks of 16 and 32 tokens; bf16 and FP8 KV.
+  for kv in auto fp8; do
+    for block in 16 32; do
+      $B.latency --model qwen2.5-1.5b --batch-size 1 16 --input-len 8192 32768 --output-len 64 \
+          --num-iters 2 --block-size $block --kv-cache-dtype $kv --max-model-len 32832 \
+          --output-json "$OUT/latency_long_b${block}_$kv.json"
+    done
+  done
+fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 rows = []
@@ -91,10 +102,11 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for r in data if isinstance(data, list) else [data]:
         if "output_tok_s" in r:
             rows.append((r.get("engine", "pagoda"), r["model"], r["workload"],
-                         r.get("batch_size", r["num_prompts"]), r["output_tok_s"],
+                         r.get("batch_size", r["num_prompts"]), r.get("input_len", ""),
+                         r["output_tok_s"],
                          r.get("ttft_ms", ""), r.get("tpot_ms", ""), r.get("kv_cache_tokens", ""),
                          r.get("startup_s", "")))
-print(f"{'engine':13} {'model':13} {'workload':10} {'batch':>5} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'KV tokens':>10} {'start s':>7}")
+print(f"{'engine':13} {'model':13} {'workload':10} {'batch':>5} {'in':>6} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'KV tokens':>10} {'start s':>7}")
 for r in rows:
-    print(f"{r[0]:13} {r[1]:13} {r[2]:10} {r[3]:>5} {r[4]:>10} {r[5]!s:>8} {r[6]!s:>8} {r[7]!s:>10} {r[8]!s:>7}")
+    print(f"{r[0]:13} {r[1]:13} {r[2]:10} {r[3]:>5} {r[4]!s:>6} {r[5]:>10} {r[6]!s:>8} {r[7]!s:>8} {r[8]!s:>10} {r[9]!s:>7}")
 PY

@@ -46,3 +46,24 @@ def test_throughput_and_serve_titles_state_their_workload(tmp_path, titles):
     assert {p.name for p in written} == {"throughput.png", "serve_latency.png"}
     assert titles["throughput.png"][0] == "offline throughput: 64 prompts x 32 in / 16 out"
     assert "10 requests of 100 in / 20 out, rate 4.0 req/s" in titles["serve_latency.png"][0]
+
+
+def test_latency_bench_sweeps_prompt_lengths_for_long_context(tmp_path, titles, capsys):
+    """``--input-len`` takes several lengths (the long-context rows: TTFT of each prompt
+    length, TPOT at that context); each runs at every batch size, and the plot's lines say
+    which length they are."""
+    out = tmp_path / "latency.json"
+    args = build_parser().parse_args([
+        "bench", "latency", "--device", "cpu", "--input-len", "4", "40", "--output-len", "3",
+        "--batch-size", "1", "2", "--num-iters", "1", "--block-size", "16",
+        "--output-json", str(out), "--plot", str(tmp_path),
+    ])  # fmt: skip
+    assert args.func(args) == 0
+    import json
+
+    rows = json.loads(out.read_text())
+    rows = rows if isinstance(rows, list) else rows["results"]
+    assert [(r["input_len"], r["batch_size"]) for r in rows] == [(4, 1), (4, 2), (40, 1), (40, 2)]
+    printed = capsys.readouterr().out
+    assert "in     40 out     3" in printed
+    assert "4/40 in / 3 out" in titles["latency_sweep.png"][0]

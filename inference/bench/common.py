@@ -143,7 +143,8 @@ def workload_input_len(args) -> int:
         from inference.bench.copy_workload import PROMPT_OVERHEAD_TOKENS
 
         return args.document_len + PROMPT_OVERHEAD_TOKENS
-    return args.input_len
+    lengths = args.input_len  # latency sweeps several
+    return max(lengths) if isinstance(lengths, list) else lengths
 
 
 def workload_prompts(args, engine, num: int, length: int, seed: int = 0) -> list[list[int]]:

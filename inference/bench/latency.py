@@ -1,5 +1,11 @@
 """``pagoda bench latency``: a batch of B requests at once; end-to-end latency, time to
-first token and time per output token, for each batch size asked for."""
+first token and time per output token, for each batch size, prompt length and output length
+asked for.
+
+Long context is a sweep of prompt lengths: ``--input-len 8192 32768 --batch-size 1 16
+--output-len 64`` gives the time to first token of 8k and 32k prompts (prefill attention)
+and the time per output token at those contexts (decode attention); ``--block-size`` picks
+the KV block size it runs with."""
 
 from __future__ import annotations
 
@@ -25,19 +31,19 @@ from inference.bench.common import (
 from inference.model_shapes import resolve_shape_model
 
 
-def _measure(llm, args, batch: int, output_len: int) -> dict:
+def _measure(llm, args, batch: int, input_len: int, output_len: int) -> dict:
     from inference import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len,
                             detokenize=False)
-    llm.generate(workload_prompts(args, engine, batch, args.input_len, seed=batch), params,
+    llm.generate(workload_prompts(args, engine, batch, input_len, seed=batch), params,
                  use_tqdm=False)
     runs, all_prompts, all_outputs = [], [], []
     spec_before = spec_decode_counts(engine)
     for it in range(args.num_iters):
         # Fresh prompts each iteration: the prefix cache must not make later runs free.
-        prompts = workload_prompts(args, engine, batch, args.input_len, seed=1000 * batch + it)
+        prompts = workload_prompts(args, engine, batch, input_len, seed=1000 * batch + it)
         start = time.perf_counter()
         wall0 = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -64,7 +70,8 @@ def add_latency_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     add_engine_args(parser)
     add_workload_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--input-len", type=int, nargs="+", default=[512],
+                        help="one or more prompt lengths (a long-context sweep: 8192 32768)")
     parser.add_argument("--output-len", type=int, nargs="+", default=[128],
                         help="one or more output lengths (a latency-vs-length sweep)")
     parser.add_argument("--num-iters", type=int, default=3)
@@ -78,21 +85,22 @@ def run_latency(args: argparse.Namespace) -> int:
     max_out = max(args.output_len)
     llm = LLM(folder, **(extra | engine_kwargs(args, workload_input_len(args) + max_out)))
     results = []
-    for output_len in args.output_len:
-        for batch in args.batch_size:
-            result = _measure(llm, args, batch, output_len)
-            results.append(record("latency", model=args.model,
-                                  tensor_parallel_size=llm.engine.config.tensor_parallel_size,
-                                  quantization=llm.engine.config.quantization,
-                                  kv_cache_dtype=llm.engine.config.kv_cache_dtype,
-                                  **result))
-            print(f"batch {batch:4d} out {output_len:5d}: {result['latency_s'] * 1e3:9.1f} ms  "
-                  f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
-                  f"{result['output_tok_s']:9.0f} out tok/s"
-                  + (f"  copy rate {100 * result['copy_rate']:.0f} %"
-                     if "copy_rate" in result else ""))
-            if "mean_acceptance_length" in result:
-                print("  " + spec_decode_line(result))
+    sweep = [(i, o, b) for i in args.input_len for o in args.output_len for b in args.batch_size]
+    for input_len, output_len, batch in sweep:
+        result = _measure(llm, args, batch, input_len, output_len)
+        results.append(record("latency", model=args.model,
+                              tensor_parallel_size=llm.engine.config.tensor_parallel_size,
+                              quantization=llm.engine.config.quantization,
+                              kv_cache_dtype=llm.engine.config.kv_cache_dtype,
+                              **result))
+        print(f"batch {batch:4d} in {result['input_len']:6d} out {output_len:5d}: "
+              f"{result['latency_s'] * 1e3:9.1f} ms  "
+              f"TTFT {result['ttft_ms']:8.1f} ms  TPOT {result['tpot_ms']:7.3f} ms  "
+              f"{result['output_tok_s']:9.0f} out tok/s"
+              + (f"  copy rate {100 * result['copy_rate']:.0f} %"
+                 if "copy_rate" in result else ""))
+        if "mean_acceptance_length" in result:
+            print("  " + spec_decode_line(result))
     write_results(args, results)
     return 0
 

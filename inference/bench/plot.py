@@ -44,11 +44,15 @@ def load_records(paths: list[Path]) -> list[Record]:
 
 
 def plot_latency_sweeps(records: list[Record], out: Path) -> Path | None:
-    """Output throughput and TPOT against batch size, one line per model and output length."""
+    """Output throughput and TPOT against batch size, one line per model and output length
+    (and prompt length, where several ran)."""
     latency = [r for r in records if r.get("workload") == "latency"]
     series: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    several_inputs = len({r.get("input_len") for r in latency}) > 1  # a long-context sweep
     for r in latency:
         label = f"{r.get('engine', 'pagoda')} {r['model']} out={r['output_len']}"
+        if several_inputs:
+            label += f" in={r['input_len']}"
         if r.get("_source"):
             label += f" [{r['_source']}]"
         series[label].append((r["batch_size"], r["output_tok_s"], r["tpot_ms"]))
