@@ -112,34 +112,45 @@ async def tune(
         observation = Observation(None, str(error), "CredentialsMissing")
     now = clock()
     tried: dict[tuple[str, float], LiveOutcome] = {}  # a re-decided window asks engines once
-    for attempt in range(1, WRITE_ATTEMPTS + 1):
-        window = decide_window(fresh, observation, now)
-        change = live_change(fresh, window.decision)
+
+    async def decided(state: dict[str, Any]) -> Window:
+        """The window decided on ``state``, with its live change made in the engines."""
+        window = decide_window(state, observation, now)
+        change = live_change(state, window.decision)
         if change is not None:
             if change not in tried:
-                tried[change] = await apply_live(client, fresh, *change, post_change)
+                tried[change] = await apply_live(client, state, *change, post_change)
             window = with_live_outcome(window, tried[change])
-        decision = window.decision
-        judged = decision.verdict not in (None, decision.reason)  # a revert says it already
-        logger.info(
-            "Tuner %s: %s%s",
-            decision.action,
-            decision.reason,
-            f" (judged: {decision.verdict})" if judged else "",
-        )
-        try:
-            async with lock or contextlib.nullcontext():
+        return window
+
+    # Decided (and a live change made, which may take a graph capture's time) outside the
+    # lock; under it, the state read again and, where a reconcile wrote meanwhile, the
+    # window decided again on what it wrote, so waiting for the lock never makes the write
+    # conflict.
+    window = await decided(fresh)
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        async with lock or contextlib.nullcontext():
+            if lock is not None:
+                current = await client.get(path)
+                if current is None or _tuning_off(current):
+                    return None
+                if _version(current) != _version(fresh):
+                    fresh = current
+                    window = await decided(fresh)
+            _log_decision(logger, window.decision)
+            try:
                 written = await client.patch_status(
-                    path, window.status, resource_version=fresh["metadata"].get("resourceVersion")
+                    path, window.status, resource_version=_version(fresh)
                 )
-            break
-        except KubeError as error:
-            if error.status != 409 or attempt == WRITE_ATTEMPTS:
-                raise
-            logger.info("Tuner status write conflicted (attempt %d); reading again", attempt)
-            fresh = await client.get(path)
-            if fresh is None or _tuning_off(fresh):
-                return None
+                break
+            except KubeError as error:
+                if error.status != 409 or attempt == WRITE_ATTEMPTS:
+                    raise
+                logger.info("Tuner status write conflicted (attempt %d); reading again", attempt)
+                fresh = await client.get(path)
+                if fresh is None or _tuning_off(fresh):
+                    return None
+                window = await decided(fresh)
     if window.overrides_changed:
         # The Deployment is rendered from the spec and the overrides just written.
         await apply_owned(written or fresh)
@@ -292,6 +303,20 @@ async def _secret_value(client: KubeClient, namespace: str, field: str, ref: dic
         return base64.b64decode(encoded).decode()
     except (ValueError, UnicodeDecodeError) as error:
         raise CredentialsError(f"{where}, key {ref['key']!r}: not text ({error})") from error
+
+
+def _version(llmd: dict[str, Any]) -> str | None:
+    return (llmd.get("metadata") or {}).get("resourceVersion")
+
+
+def _log_decision(logger: logging.Logger, decision: Decision) -> None:
+    judged = decision.verdict not in (None, decision.reason)  # a revert says it already
+    logger.info(
+        "Tuner %s: %s%s",
+        decision.action,
+        decision.reason,
+        f" (judged: {decision.verdict})" if judged else "",
+    )
 
 
 def _tuning_off(llmd: dict[str, Any]) -> bool:

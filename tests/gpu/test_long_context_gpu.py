@@ -1,0 +1,78 @@
+"""Long context on a CUDA GPU (issue #32's differential rows): prompts of 5k to 13k tokens
+through chunked prefill (many chunks, each attending to thousands of cached tokens), the
+prefix cache (a 3,001-token prefix shared, not aligned to blocks) and split-KV decode at
+that context, against transformers' float32 forward teacher-forced on the engine's tokens.
+
+The model is Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads, head size 128)
+with sharp q/k weights, two layers and a 32k vocabulary: the attention kernels are what
+these rows test, and the reference's logits over 13k positions stay small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from differential import Reference, Req, Workload, check_results_complete, compare, run_workload
+from gpu_matrix import FP32_TOL, cuda_engine
+
+from inference import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
+]
+
+MAX_MODEL_LEN = 16384
+VOCAB = 32000
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    import transformers
+
+    folder = tmp_path_factory.mktemp("long-context")
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=1536, intermediate_size=4096, num_hidden_layers=2,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.05)
+            layer.self_attn.k_proj.weight.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return str(folder), Reference(model.to("cuda"), "cuda")
+
+
+def _long_workload(seed: int) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+
+    prefix = tokens(3001)
+    prompts = [prefix + tokens(2000), prefix + tokens(6500), tokens(13000), tokens(4097)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0,
+                            detokenize=False)  # fmt: skip
+    return Workload([Req(f"long-{i}", p, params) for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_prompts_fp32(long_model, block_size):
+    folder, reference = long_model
+    engine = cuda_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                         max_num_batched_tokens=2048, enable_prefix_caching=True,
+                         block_size=block_size, num_kv_blocks=40960 // block_size)  # fmt: skip
+    try:
+        workload = _long_workload(block_size)
+        results = run_workload(engine, workload)
+        check_results_complete(workload, results)
+    finally:
+        engine.shutdown()
+    report = compare(results, reference)
+    print(f"\nlong context block {block_size}: {report.summary()}")
+    assert report.max_abs_diff <= FP32_TOL, report.summary()
+    assert report.argmax_mismatches == 0, report.summary()
