@@ -10,8 +10,9 @@ serve, and the pod would crash-loop): an adapter an engine refused at the same p
 downloaded one the loader has not delivered yet.
 
 ``status.adapters`` has one entry per adapter of the spec: ``name``, ``path`` (where the
-engines read it), ``state`` (Loaded: every Ready engine serves it; Loading: not yet, or no
-engine is Ready; Failed: an engine refused it, and ``message`` names the pod and says why)
+engines read it), ``state`` (Pending: the loader has not put it in the cache yet; Loading:
+not every Ready engine serves it yet, or none is Ready; Loaded: every Ready engine serves
+it; Failed: an engine refused it, and ``message`` names the pod and says why)
 and ``pods`` (each Ready engine's own state). An adapter removed from the spec has no entry;
 its unloading from each engine is an Event.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from pagoda_operator.adapters import adapter_path, is_downloaded, spec_adapters
 
-LOADED, LOADING, FAILED = "Loaded", "Loading", "Failed"
+PENDING, LOADING, LOADED, FAILED = "Pending", "Loading", "Loaded", "Failed"
 ADAPTERS_READY = "AdaptersReady"
 
 
@@ -47,7 +48,7 @@ def startup_adapters(
 
     ``delivered``: whether the model cache holds every downloaded adapter of the spec (the
     loader Job of this spec completed); until it does, a downloaded adapter is listed only
-    if the engines already served it at that path."""
+    if it was recorded at that path once delivered (Loading or Loaded)."""
     recorded = recorded_adapters(llmd)
     modules = []
     for adapter in spec_adapters(spec):
@@ -56,7 +57,7 @@ def startup_adapters(
         state = before.get("state") if before.get("path") == path else None
         if state == FAILED:
             continue
-        if is_downloaded(adapter) and not delivered and state != LOADED:
+        if is_downloaded(adapter) and not delivered and state not in (LOADING, LOADED):
             continue
         modules.append({"name": adapter["name"], "path": path})
     return modules
@@ -107,15 +108,15 @@ def adapter_report(
     waiting: str | None = None,
 ) -> AdapterReport:
     """The status entries from each Ready engine's results; ``waiting``: why no engine was
-    asked (the loader Job is still delivering), which leaves every entry not yet Loaded at
-    its path Loading with that reason."""
+    asked (the loader Job is still delivering, the API could not be read): an adapter
+    recorded at its path keeps its entry, a new one is Pending with that reason."""
     recorded = recorded_adapters(llmd)
     entries = []
     for name, path in wanted_adapters(spec).items():
         before = recorded.get(name) or {}
         if waiting is not None:
-            kept = before.get("path") == path and before.get("state") == LOADED
-            entries.append(before if kept else _entry(name, path, LOADING, waiting, []))
+            kept = before.get("path") == path and before.get("state") != PENDING
+            entries.append(before if kept else _entry(name, path, PENDING, waiting, []))
             continue
         pods = []
         for result in results:
@@ -152,7 +153,7 @@ def _condition(entries: list[dict[str, Any]]) -> dict[str, str]:
     if failed:
         message = "; ".join(f"adapter {e['name']}: {e['message']}" for e in failed)
         return _cond(False, "AdapterFailed", message + " (the other adapters keep serving)")
-    loading = [e for e in entries if e["state"] == LOADING]
+    loading = [e for e in entries if e["state"] in (PENDING, LOADING)]
     if loading:
         message = "; ".join(f"adapter {e['name']}: {e['message']}" for e in loading)
         return _cond(False, "AdaptersLoading", message)

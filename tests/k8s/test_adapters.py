@@ -116,12 +116,15 @@ def test_adding_changing_or_removing_an_adapter_keeps_the_pod_template() -> None
 
 def test_a_starting_engine_serves_only_adapters_it_can_start_with() -> None:
     """Not an adapter the loader has not delivered yet (the folder is not there), nor one an
-    engine refused at that path (the pod would crash-loop); one served before stays."""
+    engine refused at that path (the pod would crash-loop); one delivered before stays."""
     loaded = {"name": "sql", "path": f"/adapters/{adapter_folder(SQL)}", "state": "Loaded"}
     refused = {"name": "baked", "path": "/opt/adapters/baked", "state": "Failed"}
     obj = {**llmd([SQL, CHAT, BAKED]), "status": {"adapters": [loaded, refused]}}
     assert [m.split("=")[0] for m in lora_modules(obj)] == ["sql", "chat.v2"]
     assert [m.split("=")[0] for m in lora_modules(obj, model_cached=False)] == ["sql"]
+    pending = {"name": "sql", "path": loaded["path"], "state": "Pending"}
+    assert lora_modules({**obj, "status": {"adapters": [pending]}}, model_cached=False) == [
+        "baked=/opt/adapters/baked"]  # fmt: skip
     # A new source of a refused adapter is tried again; a new version waits for the loader.
     moved = {**BAKED, "uri": "/opt/adapters/baked-2"}
     obj = {**llmd([{**SQL, "uri": "hf://acme/qwen-sql-lora@v2"}, moved]),

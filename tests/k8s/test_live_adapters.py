@@ -159,7 +159,7 @@ def test_nothing_is_asked_until_the_loader_delivered_the_adapters() -> None:
                  engines, delivered=False)  # fmt: skip
     assert engines.calls == []
     assert report.entries[0] == loaded  # served meanwhile, as recorded
-    assert report.entries[1]["state"] == "Loading" and "loader Job" in report.entries[1]["message"]
+    assert report.entries[1]["state"] == "Pending" and "loader Job" in report.entries[1]["message"]
     assert report.condition["reason"] == "AdaptersLoading"
 
 
