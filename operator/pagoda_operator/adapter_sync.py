@@ -56,8 +56,12 @@ async def sync_adapters(
     """Every Ready engine brought to ``spec.adapters``; ``delivered``: whether the model cache
     holds every downloaded adapter (until then no engine is asked)."""
     if not delivered:
-        return adapter_report(llmd, spec, [], waiting="waiting for the loader Job to deliver "
-                                                      "the adapters into the model cache")
+        return adapter_report(
+            llmd,
+            spec,
+            [],
+            waiting="waiting for the loader Job to deliver the adapters into the model cache",
+        )
     meta = llmd["metadata"]
     try:
         key = await ensure_admin_secret(client, llmd)

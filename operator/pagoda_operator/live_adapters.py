@@ -144,7 +144,10 @@ def _overall(pods: list[dict[str, Any]]) -> tuple[str, str]:
     if pending:
         reasons = "; ".join(f"pod {pod['name']}: {pod.get('message') or 'not loaded yet'}"
                             for pod in pending)  # fmt: skip
-        return LOADING, f"loaded in {len(pods) - len(pending)} of {len(pods)} engine pods; {reasons}"
+        return (
+            LOADING,
+            f"loaded in {len(pods) - len(pending)} of {len(pods)} engine pods; {reasons}",
+        )
     return LOADED, f"loaded in {len(pods)} engine pod{'s' if len(pods) > 1 else ''}"
 
 

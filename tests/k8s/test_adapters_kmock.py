@@ -97,8 +97,11 @@ def test_an_added_adapter_is_downloaded_then_listed_for_the_engines(
     cluster.patch(llmd_path(namespace, name), {"spec": {"adapters": [SQL, CHAT]}})
     wait_for(lambda: loader_adapters(cluster, namespace, name) == 2, what="loader with chat")
     status = wait_for(
-        lambda: (s := llmd_status(cluster, namespace, name))
-        and condition(s, "ModelCached").get("status") == "False" and s,
+        lambda: (
+            (s := llmd_status(cluster, namespace, name))
+            and condition(s, "ModelCached").get("status") == "False"
+            and s
+        ),
         what="ModelCached False while chat downloads",
     )
     assert condition(status, "ModelCached")["observedGeneration"] == 2
@@ -175,8 +178,10 @@ def test_a_running_engine_takes_adapters_live_without_a_restart(
 ) -> None:
     server, folder = lora_engine
     namespace, name = "lora", "live"
-    sql, chat, big = ({"name": adapter, "uri": str(folder / path)} for adapter, path in
-                      (("sql", "sql"), ("chat", "chat"), ("big", "too-big")))
+    sql, chat, big = (
+        {"name": adapter, "uri": str(folder / path)}
+        for adapter, path in (("sql", "sql"), ("chat", "chat"), ("big", "too-big"))
+    )
     # The engines' admin key: the Secret the operator would make, made here with the one the
     # engine server runs with.
     cluster.create(f"/api/v1/namespaces/{namespace}/secrets", {
@@ -184,8 +189,9 @@ def test_a_running_engine_takes_adapters_live_without_a_restart(
         "data": {"admin-api-key": base64.b64encode(ADMIN_KEY.encode()).decode()}})  # fmt: skip
     cluster.create(llmd_path(namespace), make_llmd(namespace, name, adapters=[sql]))
     admin_port = int(server.admin_url.rsplit(":", 1)[1])
-    cluster.create(f"/api/v1/namespaces/{namespace}/pods", engine_pod(cluster, namespace, name,
-                                                                     admin_port))
+    cluster.create(
+        f"/api/v1/namespaces/{namespace}/pods", engine_pod(cluster, namespace, name, admin_port)
+    )
     wait_for(lambda: adapter_states(cluster, namespace, name) == {"sql": "Loaded"},
              what="sql reported Loaded in the running engine")  # fmt: skip
     template = pod_template(cluster, namespace, name)
@@ -217,8 +223,13 @@ def test_a_running_engine_takes_adapters_live_without_a_restart(
     assert "adapter big: pod live-7d9f-a refused it" in ready["message"]
     assert "exceeds --max-lora-rank 16" in ready["message"]
     assert served_models(server) == ["tiny", "sql", "chat"]
-    wait_for(lambda: any(m.startswith("AdapterFailed: adapter big: pod live-7d9f-a")
-                         for m in event_messages(cluster, namespace)), what="AdapterFailed Event")
+    wait_for(
+        lambda: any(
+            m.startswith("AdapterFailed: adapter big: pod live-7d9f-a")
+            for m in event_messages(cluster, namespace)
+        ),
+        what="AdapterFailed Event",
+    )
 
     # Removed: unloaded live; the engine no longer lists it.
     cluster.patch(llmd_path(namespace, name), {"spec": {"adapters": [sql]}})

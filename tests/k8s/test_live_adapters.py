@@ -112,7 +112,8 @@ def test_an_added_adapter_is_loaded_into_every_ready_engine() -> None:
                                          {"name": "qwen-b", "state": "Loaded"}]  # fmt: skip
     assert report.condition["status"] == "True"
     assert ("Normal", "AdapterLoaded", "adapter chat loaded live into qwen-a, qwen-b") in (
-        report.events)
+        report.events
+    )
     # The next round finds nothing to do, and says nothing new.
     again = run(llmd([SQL, CHAT], {"adapters": report.entries}), pods, engines)
     assert [call[1] for call in engines.calls[-2:]] == ["GET", "GET"] and again.events == []
@@ -141,7 +142,9 @@ def test_a_refused_adapter_fails_naming_the_pod_and_the_others_keep_serving() ->
     assert by_name["big"]["message"].startswith("pod qwen-a refused it: HTTP 400: ")
     assert "rank 64 exceeds --max-lora-rank 16" in by_name["big"]["message"]
     # The pod that did not answer is left for the next round, not failed.
-    assert by_name["sql"]["state"] == "Loading" and "qwen-b: unreachable" in by_name["sql"]["message"]
+    assert (
+        by_name["sql"]["state"] == "Loading" and "qwen-b: unreachable" in by_name["sql"]["message"]
+    )
     assert report.condition["status"] == "False" and report.condition["reason"] == "AdapterFailed"
     assert "adapter big: pod qwen-a refused it" in report.condition["message"]
     (failed,) = [e for e in report.events if e[1] == "AdapterFailed"]
@@ -169,3 +172,22 @@ def test_the_admin_url_is_the_port_the_pod_declares() -> None:
     going = pod("a", "10.0.0.9")
     going["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
     assert admin_url(going) is None
+
+
+def test_the_report_reaches_the_status_and_a_failure_is_rechecked() -> None:
+    from pagoda_operator.status import needs_recheck, workload_status
+
+    engines = Engines({"10.0.0.1": {}})
+    obj = llmd([SQL, BIG])
+    report = run(obj, [pod("qwen-a", "10.0.0.1")], engines)
+    deployment = {"spec": {"replicas": 1}, "status": {"replicas": 1, "readyReplicas": 1,
+                                                      "updatedReplicas": 1, "observedGeneration": 1},
+                  "metadata": {"generation": 1}}  # fmt: skip
+    status = workload_status(obj, deployment, "2025-01-01T00:00:00Z", adapters=report)
+    assert [entry["state"] for entry in status["adapters"]] == ["Loaded", "Failed"]
+    ready = next(cond for cond in status["conditions"] if cond["type"] == "AdaptersReady")
+    assert ready["status"] == "False" and ready["observedGeneration"] == 2
+    assert status["phase"] == "Available"
+    assert needs_recheck({**obj, "status": status})  # tried again, and left out of start-ups
+    # LoRA off: no record left behind (a merge patch of None removes it).
+    assert workload_status(obj, deployment, "2025-01-01T00:00:00Z")["adapters"] is None
