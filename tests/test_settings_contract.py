@@ -241,14 +241,35 @@ def adapter_args(adapters: list[dict[str, Any]], lora: dict[str, Any]) -> list[s
         "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "adapters": adapters,
                  "engine": {"lora": lora}},
     }  # fmt: skip
-    (deployment,) = [o for o in desired_objects(llmd, service_monitor_api=False)
-                     if o["kind"] == "Deployment"]  # fmt: skip
-    return deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+    args, _ = pod_command_line(desired_objects(llmd, service_monitor_api=False))
+    return args
+
+
+def pod_command_line(objects: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """The engine container's arguments as the kubelet expands their $(VAR) references from
+    the container's environment (here its ConfigMap and admin Secret values), and that
+    environment."""
+    from pagoda_operator import live_settings
+
+    by_kind = {obj["kind"]: obj for obj in objects}
+    (container,) = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"]
+    sources = {"configMapKeyRef": (by_kind.get("ConfigMap") or {}).get("data") or {},
+               "secretKeyRef": {live_settings.ADMIN_SECRET_KEY: "admin-key"}}  # fmt: skip
+    env = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+            continue
+        ((kind, ref),) = entry["valueFrom"].items()
+        if kind in sources:
+            env[entry["name"]] = sources[kind][ref["key"]]
+    args = [env.get(a[2:-1], a) if a.startswith("$(") else a for a in container["args"][1:]]
+    return args, env
 
 
 @pytest.mark.parametrize(
     ("lora", "expected"),
-    [({}, (2, 2, 16)), ({"maxLoras": 1, "maxLoraRank": 64, "maxCpuLoras": 4}, (1, 4, 64))],
+    [({}, (8, 32, 16)), ({"maxLoras": 1, "maxLoraRank": 64, "maxCpuLoras": 4}, (1, 4, 64))],
 )
 def test_adapters_reach_the_server_as_lora_modules(
     lora: dict[str, Any], expected: tuple[int, int, int]
@@ -270,6 +291,16 @@ def test_adapters_reach_the_server_as_lora_modules(
     assert set(LORA_FLAGS) <= known
 
 
+def test_the_operator_loads_adapters_through_the_admin_routes() -> None:
+    """The admin API serves the routes ``adapter_sync`` calls, on the port the pods declare."""
+    from pagoda_operator import adapter_sync
+
+    from inference.server.admin import build_admin_app
+
+    paths = set(build_admin_app(object(), "admin-key").openapi()["paths"])  # type: ignore[arg-type]
+    assert {adapter_sync.LIST_PATH, adapter_sync.LOAD_PATH, adapter_sync.UNLOAD_PATH} <= paths
+
+
 def test_a_tuned_deployment_runs_the_settings_in_force_and_the_admin_api() -> None:
     """Tuning Auto: the flags the tuner changes live read the settings ConfigMap through the
     container's environment; expanded as the kubelet expands $(VAR) in args (from env
@@ -287,19 +318,7 @@ def test_a_tuned_deployment_runs_the_settings_in_force_and_the_admin_api() -> No
                  "tuning": {"mode": "Auto"}, "prometheus": {"url": "http://prometheus:9090"}},
         "status": {"tuning": {"overrides": {"maxNumSeqs": {"value": 96, "specValue": 64}}}},
     }  # fmt: skip
-    objects = {obj["kind"]: obj for obj in desired_objects(llmd, service_monitor_api=False)}
-    (container,) = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
-    sources = {"configMapKeyRef": objects["ConfigMap"]["data"],
-               "secretKeyRef": {live_settings.ADMIN_SECRET_KEY: "admin-key"}}  # fmt: skip
-    env = {}
-    for entry in container["env"]:
-        if "value" in entry:
-            env[entry["name"]] = entry["value"]
-            continue
-        ((kind, ref),) = entry["valueFrom"].items()
-        if kind in sources:
-            env[entry["name"]] = sources[kind][ref["key"]]
-    args = [env.get(a[2:-1], a) if a.startswith("$(") else a for a in container["args"][1:]]
+    args, env = pod_command_line(desired_objects(llmd, service_monitor_api=False))
     namespace, resolved = parse_and_resolve(args)
     namespace.admin_api_key = env[ADMIN_KEY_ENV]
     assert (resolved.max_num_seqs, resolved.gpu_memory_utilization) == (96, 0.9)

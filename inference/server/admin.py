@@ -1,4 +1,4 @@
-"""The admin API: the engine's live settings, for the operator's tuner.
+"""The admin API: the engine's live settings and its LoRA adapters, for the operator.
 
 Off by default. ``pagoda serve --admin-port PORT`` turns it on, and then it needs a key of
 its own (``--admin-api-key``, default ``$PAGODA_ADMIN_API_KEY``): never the clients'
@@ -19,6 +19,14 @@ NetworkPolicy can narrow that to its namespace) can even try the key.
   422 for a value the engine cannot run, 409 for one it cannot take live (restart with the
   flag instead), 503 while the engine loads or after it failed.
 
+- ``GET /admin/lora-adapters``: the adapters served now (name, path, base model), and
+  whether the server runs with ``--enable-lora``.
+- ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``: vLLM's runtime adapter
+  routes, bodies and answers (400 for an adapter that cannot be served, saying why; 404 to
+  unload one that is not loaded), here whatever ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` says: the
+  key is the privilege. The serving port offers them only with that opt-in, as vLLM does.
+  The operator loads and unloads an LLMDeployment's ``spec.adapters`` through them.
+
 Settings use the engine's names (``max_num_seqs``, ``max_num_batched_tokens``,
 ``num_kv_blocks``, ``gpu_memory_utilization``); ``pagoda:engine_config_info`` and
 ``vllm:cache_config_info`` on the serving port's /metrics follow every change.
@@ -29,13 +37,15 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from inference.async_engine import AsyncLLMEngine, EngineDeadError, EngineNotReadyError
 from inference.engine_messages import Reconfigured
+from inference.server.app import add_lora_routes
 from inference.server.errors import APIError, error_body, install_error_handlers
+from inference.server.lora_modules import ServedAdapters
 
 _bearer = HTTPBearer(auto_error=False, description="The server's --admin-api-key.")
 
@@ -54,9 +64,12 @@ def _admin_key_check(admin_key: str):
     return check
 
 
-def build_admin_app(engine: AsyncLLMEngine, admin_key: str) -> FastAPI:
-    """The admin routes over ``engine``, all behind ``admin_key``. It has no lifespan: the
-    serving app starts and stops the engine."""
+def build_admin_app(
+    engine: AsyncLLMEngine, admin_key: str, adapters: ServedAdapters | None = None
+) -> FastAPI:
+    """The admin routes over ``engine`` and the serving app's ``adapters`` (its
+    ``app.state.adapters``; none: LoRA is off), all behind ``admin_key``. It has no lifespan:
+    the serving app starts and stops the engine."""
     if not admin_key:
         raise ValueError("the admin API needs a key (--admin-api-key or $PAGODA_ADMIN_API_KEY)")
     app = FastAPI(title="pagoda admin", docs_url=None, redoc_url=None, openapi_url=None)
@@ -79,6 +92,15 @@ def build_admin_app(engine: AsyncLLMEngine, admin_key: str) -> FastAPI:
                                 '{"max_num_seqs": 512}')
         return _answer(await _ask(engine, changes, dry_run=False))
 
+    served = adapters if adapters is not None else ServedAdapters([])
+
+    @app.get("/admin/lora-adapters", dependencies=authenticated)
+    async def lora_adapters() -> JSONResponse:
+        return JSONResponse({"enabled": served.enabled, "adapters": served.listing()})
+
+    lora = APIRouter(prefix="/v1", dependencies=authenticated)
+    add_lora_routes(lora, engine, served)
+    app.include_router(lora)
     return app
 
 

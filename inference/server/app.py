@@ -217,6 +217,7 @@ def build_app(
     install_error_handlers(app)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.adapters = adapters  # the admin API's adapter routes change the same list
     # The last one added runs first: CORS answers preflights before anything else.
     app.add_middleware(RequestIdMiddleware)
     if root_path:
@@ -255,7 +256,7 @@ def build_app(
         return {"object": "list", "data": cards}
 
     if runtime_updates_allowed():
-        _add_lora_routes(v1, engine, adapters)
+        add_lora_routes(v1, engine, adapters)
 
     @v1.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -273,8 +274,9 @@ def build_app(
     return app
 
 
-def _add_lora_routes(router: APIRouter, engine: AsyncLLMEngine, adapters: ServedAdapters) -> None:
-    """vLLM's runtime adapter routes (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
+def add_lora_routes(router: APIRouter, engine: AsyncLLMEngine, adapters: ServedAdapters) -> None:
+    """vLLM's runtime adapter routes: on the serving port only with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on the admin port always (``inference.server.admin``)."""
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:

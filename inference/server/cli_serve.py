@@ -37,7 +37,12 @@ from inference.async_engine import DEFAULT_STEP_TIMEOUT_S
 from inference.chat_templates import CONTENT_FORMATS, load_chat_template
 from inference.config import EngineConfig, add_engine_args, engine_kwargs
 from inference.server.app import DEFAULT_MAX_BODY_BYTES
-from inference.server.lora_modules import RUNTIME_UPDATES_ENV, ServedAdapters, parse_lora_module
+from inference.server.lora_modules import (
+    RUNTIME_UPDATES_ENV,
+    LoRAModulesAction,
+    ServedAdapters,
+    parse_lora_modules,
+)
 from inference.server.reasoning_parsers import REASONING_PARSERS
 from inference.server.serving import RequestLimits, ServingOptions
 from inference.server.tool_parsers import TOOL_PARSERS
@@ -202,10 +207,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
-        "--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="MODULE",
+        "--lora-modules", nargs="+", type=parse_lora_modules, action=LoRAModulesAction,
+        default=[], metavar="MODULE",
         help="LoRA adapters served under model names (with --enable-lora): name=path, or "
-        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; more at '
-        f"run time through /v1/load_lora_adapter when {RUNTIME_UPDATES_ENV}=True",
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\', or a JSON '
+        "list of those ('[]': none); more at run time through /v1/load_lora_adapter when "
+        f"{RUNTIME_UPDATES_ENV}=True, or through the admin API",
     )
     add_foreign_flags(parser)
     # The engine's own flags, generated from EngineConfig (the model is the positional
@@ -466,7 +473,7 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    admin = _admin_server(args, engine, admin_sock) if admin_sock is not None else None
+    admin = _admin_server(args, engine, admin_sock, adapters) if admin_sock is not None else None
     server = _make_server(uv_config, engine, args.shutdown_grace_seconds, admin)
     scheme = "https" if args.ssl_certfile else "http"
     example = _curl_example(scheme, args.host, args.port, names[0], args.api_key)
@@ -486,7 +493,8 @@ def _ignore_reraised_signals() -> None:
             signal.signal(sig, lambda *_: None)
 
 
-def _admin_server(args: argparse.Namespace, engine, sock: socket.socket):
+def _admin_server(args: argparse.Namespace, engine, sock: socket.socket,
+                  adapters: ServedAdapters):  # fmt: skip
     """The admin API's server on its bound socket (``inference.server.admin``), as the
     (server, socket) ``_make_server`` runs in the serving server's event loop, which owns
     the signals."""
@@ -501,7 +509,7 @@ def _admin_server(args: argparse.Namespace, engine, sock: socket.socket):
             return contextlib.nullcontext()  # the serving server drains, then stops this one
 
     config = uvicorn.Config(
-        build_admin_app(engine, args.admin_api_key), lifespan="off",
+        build_admin_app(engine, args.admin_api_key, adapters), lifespan="off",
         log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         access_log=not args.disable_uvicorn_access_log,

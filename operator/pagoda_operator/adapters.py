@@ -7,12 +7,17 @@ digest of its source, so a changed uri is a new folder (never a mix of two versi
 engines mount ``adapters/`` read-only at ``/adapters``. An absolute path is a folder already
 in the engine container (baked into the image, or under one of ``spec.volumeMounts``).
 
-The engine gets ``--enable-lora --lora-modules name=path ...`` and the limits of
-``spec.engine.lora``. The adapters are part of the pod template, so adding, removing or
-changing one rolls the engines: once the loader has put every adapter in the cache (the
-Deployment's update waits for it, as for a new model revision), one replica at a time, and a
-pod that restarts later starts with the current list. Runtime loading through the engines'
-``/v1/load_lora_adapter`` route is not used by the operator.
+The engine gets ``--enable-lora`` and the limits of ``spec.engine.lora`` on its command line,
+and its adapter list from the environment: ``--lora-modules $(PAGODA_LORA_MODULES)``, a JSON
+list the kubelet expands from the settings ConfigMap (``live_settings``) when the container
+starts. So adding, removing or changing an adapter changes no pod template and restarts no
+engine: once the loader has put it in the cache, the operator loads it into every Ready
+engine through the admin API (``adapter_sync``), and a pod that starts later reads the
+current list. Only what the engines cannot change live rolls them: turning LoRA on or off
+(the first adapter without ``spec.engine.lora``, or the last one's removal), the limits, and
+the first downloaded adapter of a deployment whose model is not downloaded (a volume more).
+The limits therefore do not follow the number of adapters: unset, ``maxLoras`` is 8 (at most
+``maxCpuLoras``) and ``maxCpuLoras`` is the most adapters a spec may list.
 
 Everything here is pure: spec in, paths, flags or problems out.
 """
@@ -32,10 +37,12 @@ ADAPTER_VOLUME = "adapter-cache"
 # Set on each adapter's loader container, so a failure can name the adapter.
 ADAPTER_NAME_ENV = "PAGODA_ADAPTER"
 # The engine's own --max-loras default is 1: a deployment with several adapters would then
-# run one adapter per step. Unset, every adapter gets a slot, up to this many (slots are
-# device memory allocated at start-up).
-DEFAULT_MAX_LORAS_CEILING = 8
+# run one adapter per step. Unset, this many slots (device memory allocated at start-up).
+DEFAULT_MAX_LORAS = 8
 MAX_ADAPTERS = 32
+# The container variable --lora-modules reads, and its key in the settings ConfigMap.
+LORA_MODULES_ENV = "PAGODA_LORA_MODULES"
+LORA_MODULES_KEY = "loraModules"
 # The engine's --max-lora-rank default (tests/test_settings_contract.py keeps them equal).
 ENGINE_DEFAULT_MAX_LORA_RANK = 16
 # A vLLM model name the engine's `name=path` flag and the routes carry: no '/' (read as a
@@ -50,6 +57,12 @@ LORA_FLAGS = ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank
 
 def spec_adapters(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return list(spec.get("adapters") or [])
+
+
+def lora_enabled(spec: dict[str, Any]) -> bool:
+    """Whether the engines run with LoRA: with adapters, or ``spec.engine.lora`` given (which
+    keeps it on with none, so the first adapter restarts nothing either)."""
+    return bool(spec_adapters(spec)) or (spec.get("engine") or {}).get("lora") is not None
 
 
 def is_downloaded(adapter: dict[str, Any]) -> bool:
@@ -77,15 +90,14 @@ def adapter_path(adapter: dict[str, Any]) -> str:
 
 
 def lora_limits(spec: dict[str, Any]) -> dict[str, int]:
-    """``maxLoras``, ``maxCpuLoras`` and (when set) ``maxLoraRank``: the spec's, else derived
-    from the adapters: a slot for each (at most 8, and at most maxCpuLoras), and every
-    adapter kept in CPU memory (the engine wants maxCpuLoras >= maxLoras)."""
+    """``maxLoras``, ``maxCpuLoras`` and (when set) ``maxLoraRank``: the spec's, else 8 slots
+    (at most maxCpuLoras: the engine wants maxCpuLoras >= maxLoras) and room in CPU memory
+    for as many adapters as a spec may list. Never derived from the adapters themselves: a
+    changed limit restarts the engines, an added adapter must not."""
     lora = (spec.get("engine") or {}).get("lora") or {}
-    count = max(1, len(spec_adapters(spec)))
-    derived = min(count, DEFAULT_MAX_LORAS_CEILING, int(lora.get("maxCpuLoras") or count))
-    max_loras = int(lora.get("maxLoras") or derived)
-    limits = {"maxLoras": max_loras, "maxCpuLoras": int(lora.get("maxCpuLoras")
-                                                        or max(count, max_loras))}
+    max_cpu = lora.get("maxCpuLoras")
+    max_loras = int(lora.get("maxLoras") or min(DEFAULT_MAX_LORAS, int(max_cpu or MAX_ADAPTERS)))
+    limits = {"maxLoras": max_loras, "maxCpuLoras": int(max_cpu or max(MAX_ADAPTERS, max_loras))}
     if lora.get("maxLoraRank") is not None:
         limits["maxLoraRank"] = int(lora["maxLoraRank"])
     return limits
@@ -98,26 +110,29 @@ def max_lora_rank(spec: dict[str, Any]) -> int:
 
 
 def lora_args(spec: dict[str, Any]) -> list[str]:
-    """The engine's LoRA flags; none without adapters (pod templates of deployments without
-    adapters stay as they were)."""
-    adapters = spec_adapters(spec)
-    if not adapters:
+    """The engine's LoRA flags; none without LoRA (pod templates of deployments without
+    adapters stay as they were). The adapters themselves come from the environment."""
+    if not lora_enabled(spec):
         return []
     limits = lora_limits(spec)
     args = ["--enable-lora", "--max-loras", str(limits["maxLoras"]),
             "--max-cpu-loras", str(limits["maxCpuLoras"])]  # fmt: skip
     if "maxLoraRank" in limits:
         args += ["--max-lora-rank", str(limits["maxLoraRank"])]
-    args.append("--lora-modules")
-    args += [f"{adapter['name']}={adapter_path(adapter)}" for adapter in adapters]
-    return args
+    return [*args, "--lora-modules", f"$({LORA_MODULES_ENV})"]
+
+
+def lora_modules_value(modules: list[dict[str, str]]) -> str:
+    """The ``--lora-modules`` value of ``[{name, path}, ...]``: one JSON list ("[]": none)."""
+    return json.dumps([{"name": m["name"], "path": m["path"]} for m in modules],
+                      separators=(",", ":"))  # fmt: skip
 
 
 def adapter_errors(spec: dict[str, Any], served_name: str | None) -> list[str]:
     """Every reason ``spec.adapters`` and ``spec.engine.lora`` cannot be deployed."""
     adapters = spec.get("adapters")
     if adapters is None:
-        return []
+        adapters = []
     if not isinstance(adapters, list):
         return ["spec.adapters: must be a list of {name, uri}"]
     errors = []
@@ -136,8 +151,15 @@ def adapter_errors(spec: dict[str, Any], served_name: str | None) -> list[str]:
             errors.append(f"{where}.name: {name!r} is the served model name")
         seen.add(name)
         errors += _adapter_uri_errors(where, adapter or {})
-    errors += _lora_limit_errors((spec.get("engine") or {}).get("lora") or {})
-    if adapters and (spec.get("engine") or {}).get("speculative") is not None:
+    lora = (spec.get("engine") or {}).get("lora") or {}
+    limit_errors = _lora_limit_errors(lora)
+    if not limit_errors and lora.get("maxCpuLoras") is not None and (
+            len(adapters) > lora["maxCpuLoras"]):  # fmt: skip
+        limit_errors.append(f"spec.adapters: {len(adapters)} adapters, more than "
+                            f"spec.engine.lora.maxCpuLoras ({lora['maxCpuLoras']}) keeps in "
+                            "CPU memory: raise maxCpuLoras or remove adapters")  # fmt: skip
+    errors += limit_errors
+    if lora_enabled(spec) and (spec.get("engine") or {}).get("speculative") is not None:
         # The engine refuses the pair at start: a crash loop, unless refused here.
         errors.append("spec.adapters: speculative decoding does not run with adapters "
                       "(drafts and verification run the base model only)")

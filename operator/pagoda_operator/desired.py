@@ -16,6 +16,7 @@ from pagoda_operator.adapters import (
     ADAPTERS_FOLDER,
     ADAPTERS_MOUNT_PATH,
     downloaded_adapters,
+    lora_enabled,
 )
 from pagoda_operator.autoscalers import (
     desired_autoscaler,
@@ -24,14 +25,16 @@ from pagoda_operator.autoscalers import (
     prometheus_auth,
 )
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
+from pagoda_operator.live_adapters import startup_adapters
 from pagoda_operator.live_settings import (
     ADMIN_PORT,
     ADMIN_PORT_NAME,
     SETTINGS_ANNOTATION,
+    admin_enabled,
+    config_map_data,
     live_enabled,
     restart_hash,
     settings_config_map_name,
-    settings_data,
 )
 from pagoda_operator.live_settings import env_entries as live_env_entries
 from pagoda_operator.metadata import (
@@ -92,8 +95,8 @@ def desired_objects(
     objects = []
     if needs_cache(spec):
         objects += desired_model_cache(llmd, spec, default_image, replicas_ceiling(llmd))
-    if live_enabled(spec):  # before the Deployment, whose pods read it
-        objects.append(desired_settings_config_map(llmd, spec))
+    if admin_enabled(spec):  # before the Deployment, whose pods read it
+        objects.append(desired_settings_config_map(llmd, spec, model_cached=model_cached))
     objects += [
         desired_deployment(llmd, spec, default_image, model_cached=model_cached),
         desired_service(llmd, spec),
@@ -210,10 +213,14 @@ def desired_deployment(
     return finish(llmd, "apps/v1", "Deployment", body)
 
 
-def desired_settings_config_map(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """The live knobs' values in force, which the engines' flags read when they start."""
+def desired_settings_config_map(
+    llmd: dict[str, Any], spec: dict[str, Any], *, model_cached: bool = True
+) -> dict[str, Any]:
+    """The live knobs' values in force and the adapters to serve, which the engines' flags
+    read when they start (``model_cached``: whether the cache holds every adapter)."""
     name = settings_config_map_name(llmd["metadata"]["name"])
-    return finish(llmd, "v1", "ConfigMap", {"data": settings_data(spec)}, name)
+    data = config_map_data(spec, startup_adapters(llmd, spec, delivered=model_cached))
+    return finish(llmd, "v1", "ConfigMap", {"data": data}, name)
 
 
 def pod_spec(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
@@ -264,9 +271,9 @@ def container_security_context() -> dict[str, Any]:
 def engine_container(name: str, spec: dict[str, Any], default_image: str) -> dict[str, Any]:
     ports = [{"name": c.ENGINE_PORT_NAME, "containerPort": c.ENGINE_PORT, "protocol": "TCP"}]
     env = engine_env(spec)
-    if live_enabled(spec):  # the admin API, for the tuner's live changes (``live_settings``)
+    if admin_enabled(spec):  # the admin API: the tuner's live changes, adapters (``live_settings``)
         ports.append({"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"})
-        env = env[:1] + live_env_entries(name) + env[1:]
+        env = env[:1] + live_env_entries(name, spec) + env[1:]
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.get("image") or default_image,
@@ -381,7 +388,7 @@ def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
         # Writable as a volume: the weights' mount is read-only, the kernel cache's is not.
         claim = {"claimName": cache_claim_name(name)}
         result.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
-    elif downloaded_adapters(spec):
+    elif adapters_mounted(spec):
         claim = {"claimName": cache_claim_name(name), "readOnly": True}
         result.append({"name": ADAPTER_VOLUME, "persistentVolumeClaim": claim})
     return result
@@ -407,12 +414,21 @@ def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if kind == "download":
         mounts.append({"name": MODEL_VOLUME, "mountPath": c.KERNEL_CACHE_PATH,
                        "subPath": KERNEL_CACHE_FOLDER})  # fmt: skip
-    if downloaded_adapters(spec):
+    if adapters_mounted(spec):
         # The model's cache volume where the weights come from it too, else its own volume.
         volume = MODEL_VOLUME if kind == "download" else ADAPTER_VOLUME
         mounts.append({"name": volume, "mountPath": ADAPTERS_MOUNT_PATH,
                        "subPath": ADAPTERS_FOLDER, "readOnly": True})  # fmt: skip
     return mounts
+
+
+def adapters_mounted(spec: dict[str, Any]) -> bool:
+    """Whether the engines mount the cache's ``adapters/``: for downloaded adapters, and
+    wherever LoRA is on and the model is downloaded too, so that the first downloaded
+    adapter adds no volume (which would restart the engines)."""
+    if downloaded_adapters(spec):
+        return True
+    return lora_enabled(spec) and model_source(spec)[0] == "download"
 
 
 def desired_service(llmd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:

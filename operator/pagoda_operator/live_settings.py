@@ -22,6 +22,12 @@ in its pod template, which would roll every engine on each change, but refers to
   once with a random key and owns (deleted with the LLMDeployment), and which only the
   engine pods mount; the admin port is declared on the pod, and no Service routes to it.
 
+LoRA adapters follow the same pattern (``adapters``, ``adapter_sync``): the operator loads
+and unloads them through the admin API, and the ConfigMap's ``loraModules`` is the list a
+starting engine serves (``--lora-modules $(PAGODA_LORA_MODULES)``). So the admin API, its
+Secret and the ConfigMap are there where tuning is Auto or LoRA is on; the knobs' references
+and the restart hash only where tuning is Auto.
+
 Pure: plain dicts in, plain dicts out.
 """
 
@@ -31,6 +37,12 @@ import hashlib
 import json
 from typing import Any
 
+from pagoda_operator.adapters import (
+    LORA_MODULES_ENV,
+    LORA_MODULES_KEY,
+    lora_enabled,
+    lora_modules_value,
+)
 from pagoda_operator.overrides import (
     GPU_MEMORY_UTILIZATION,
     MAX_NUM_SEQS,
@@ -61,6 +73,12 @@ def live_enabled(spec: dict[str, Any]) -> bool:
     return spec["tuning"]["mode"] == "Auto"
 
 
+def admin_enabled(spec: dict[str, Any]) -> bool:
+    """Whether the engines serve the admin API (and read the settings ConfigMap): for the
+    tuner's live changes, or for live adapters."""
+    return live_enabled(spec) or lora_enabled(spec)
+
+
 def settings_config_map_name(name: str) -> str:
     return f"{name}-engine-settings"
 
@@ -78,23 +96,35 @@ def settings_data(spec: dict[str, Any]) -> dict[str, str]:
     return {knob: knob_text(knob, spec["engine"][knob]) for knob in LIVE_KNOBS}
 
 
+def config_map_data(spec: dict[str, Any], lora_modules: list[dict[str, str]]) -> dict[str, str]:
+    """The settings ConfigMap's data: the live knobs where tuning is Auto, and where LoRA is
+    on the adapters a starting engine serves (``[{name, path}]``)."""
+    data = settings_data(spec) if live_enabled(spec) else {}
+    if lora_enabled(spec):
+        data[LORA_MODULES_KEY] = lora_modules_value(lora_modules)
+    return data
+
+
 def flag_arguments(spec: dict[str, Any]) -> list[str]:
     """The live knobs' flags: references to the environment where they are live, else the
     values themselves."""
     args: list[str] = []
     for knob, (flag, env) in LIVE_KNOBS.items():
         args += [flag, f"$({env})" if live_enabled(spec) else knob_text(knob, spec["engine"][knob])]
-    if live_enabled(spec):
+    if admin_enabled(spec):
         args += ["--admin-port", str(ADMIN_PORT)]
     return args
 
 
-def env_entries(name: str) -> list[dict[str, Any]]:
-    """The container's variables the live flags read, and the admin key."""
+def env_entries(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The container's variables the live flags and the adapter list read, and the admin key."""
     config_map = settings_config_map_name(name)
+    keys = [(env, knob) for knob, (_, env) in LIVE_KNOBS.items()] if live_enabled(spec) else []
+    if lora_enabled(spec):
+        keys.append((LORA_MODULES_ENV, LORA_MODULES_KEY))
     entries = [
-        {"name": env, "valueFrom": {"configMapKeyRef": {"name": config_map, "key": knob}}}
-        for knob, (_, env) in LIVE_KNOBS.items()
+        {"name": env, "valueFrom": {"configMapKeyRef": {"name": config_map, "key": key}}}
+        for env, key in keys
     ]
     entries.append({"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {
         "name": admin_secret_name(name), "key": ADMIN_SECRET_KEY}}})  # fmt: skip

@@ -16,12 +16,14 @@ import aiohttp
 import kopf
 
 from pagoda_operator import constants as c
+from pagoda_operator.adapter_sync import sync_adapters
+from pagoda_operator.adapters import lora_enabled
 from pagoda_operator.autoscalers import KEDA_API_VERSION
 from pagoda_operator.desired import DEFAULT_MONITOR, MonitorSettings, desired_objects
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.gateway import PICKER_APP_NAME, POOL_API_VERSION, gateway_spec
 from pagoda_operator.kube import KubeClient, KubeError, collection_path, object_path
-from pagoda_operator.live_settings import live_enabled
+from pagoda_operator.live_settings import admin_enabled
 from pagoda_operator.metrics import due as metrics_due
 from pagoda_operator.model_cache import (
     LOADER_JOB_LABEL,
@@ -121,6 +123,13 @@ async def reconcile(
         status = spec_problem_status(llmd, "NameConflict", str(error), now_rfc3339())
         return await write_status(client, llmd, status, emit)
     previous_generation = (llmd.get("status") or {}).get("observedGeneration")
+    adapters = None
+    spec = with_defaults(llmd.get("spec") or {})
+    if lora_enabled(spec):
+        delivered = applied.cache is None or applied.cache.ready
+        adapters = await sync_adapters(client, llmd, spec, delivered=delivered)
+        for event in adapters.events:
+            emit(*event)
     now = now_rfc3339()
     status = workload_status(
         llmd,
@@ -130,6 +139,7 @@ async def reconcile(
         cache=applied.cache,
         applied_generation=previous_generation if applied.deployment_held else None,
         findings=await observed_findings(client, llmd, applied, now, logger),
+        adapters=adapters,
     )
     return await write_status(client, llmd, status, emit)
 
@@ -229,7 +239,7 @@ async def apply_owned_objects(
         messages = "; ".join(action.event_message for action in conflicts)
         emit("Warning", "NameConflict", messages)
         raise NameConflictError(messages)
-    if live_enabled(spec):  # the engines' admin key, which their pods mount
+    if admin_enabled(spec):  # the engines' admin key, which their pods mount
         await ensure_admin_secret(client, llmd)
     deployment, refused = await carry_out_actions(
         client, actions, name, namespace, emit, existing[("apps/v1", "Deployment", name)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pagoda_operator.adapters import LORA_FLAGS, adapter_errors
+from pagoda_operator.adapters import LORA_FLAGS, adapter_errors, lora_enabled
 from pagoda_operator.constants import GPU_RESOURCE
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
@@ -157,7 +157,7 @@ def validate_spec(spec: dict[str, Any]) -> list[str]:
     errors += _rollout_errors(spec)
     model = spec.get("model") or {}
     errors += adapter_errors(spec, model.get("servedModelName") or model.get("name"))
-    if spec.get("adapters"):
+    if lora_enabled(spec):
         errors += _extra_args_errors((spec.get("engine") or {}).get("extraArgs") or [],
                                      LORA_FLAGS, "spec.adapters and spec.engine.lora")
     return errors

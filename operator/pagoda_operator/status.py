@@ -12,6 +12,7 @@ from typing import Any
 from pagoda_operator.desired import effective_replicas
 from pagoda_operator.diagnosis import NO_FINDINGS, Findings
 from pagoda_operator.gateway import gateway_spec
+from pagoda_operator.live_adapters import ADAPTERS_READY, AdapterReport
 from pagoda_operator.metadata import selector_string
 from pagoda_operator.model_cache import CacheState
 from pagoda_operator.overrides import GPU_MEMORY_UTILIZATION, MAX_NUM_SEQS, effective_spec
@@ -31,6 +32,7 @@ CONDITION_TYPES = (
     MODEL_CACHE_SYNCED,
     AUTOSCALING_READY,
     GATEWAY_READY,
+    ADAPTERS_READY,  # every Ready engine serves spec.adapters (``live_adapters``)
 )
 
 # Reasons that come from the LLMDeployment itself rather than from its pods: they hold until
@@ -131,9 +133,11 @@ def workload_status(
     cache: CacheState | None = None,
     applied_generation: int | None = None,
     findings: Findings = NO_FINDINGS,
+    adapters: AdapterReport | None = None,
 ) -> dict[str, Any]:
     """The status that the Deployment's own status (and the model cache's, for downloaded
-    weights) implies for its LLMDeployment.
+    weights) implies for its LLMDeployment; ``adapters``: how the engines serve the spec's
+    adapters (None: LoRA is off).
 
     ``keep_spec_problem=False`` is for right after a successful apply of the current spec,
     which settles any earlier InvalidSpec/ApplyFailed verdict. ``applied_generation``: the
@@ -161,6 +165,8 @@ def workload_status(
         phase, current = _with_model_cache(phase, current, cache, counts["ready"], desired)
     current += _integration_conditions(findings, bool(spec["autoscaling"]["enabled"]))
     current += _gateway_conditions(findings, gateway_spec(spec) is not None)
+    if adapters is not None:
+        current.append(adapters.condition)
     generation = meta.get("generation")
     applied = generation if applied_generation is None else applied_generation
     current = [
@@ -192,6 +198,7 @@ def workload_status(
         ),
         # None removes a record left from an earlier download source (merge patch).
         "modelCache": cache.status(spec, meta["name"]) if cache is not None else None,
+        "adapters": adapters.entries if adapters is not None else None,
         # What the engines are told to run: the spec with the tuner's overrides.
         "effective": {
             "replicas": desired,
@@ -366,9 +373,12 @@ def needs_recheck(llmd: dict[str, Any]) -> bool:
     if status.get("phase") not in (AVAILABLE, "ScaledToZero"):
         return True
     by_type = {cond.get("type"): cond for cond in status.get("conditions") or []}
-    integrations = (AUTOSCALING_READY, GATEWAY_READY)
+    integrations = (AUTOSCALING_READY, GATEWAY_READY, ADAPTERS_READY)
     if "False" in {(by_type.get(kind) or {}).get("status") for kind in integrations}:
-        return True  # KEDA, the adapter or the InferencePool CRD may have been installed since
+        # KEDA, the metrics adapter or the InferencePool CRD may have been installed since;
+        # an engine may take an adapter now, and the engines' start-up list must leave out
+        # one that was refused.
+        return True
     if not ((llmd.get("spec") or {}).get("prometheus") or {}).get("url"):
         return False
     return (by_type.get("MetricsScraped") or {}).get("status") != "True"

@@ -48,10 +48,11 @@ def engine(obj: dict[str, Any]) -> dict[str, Any]:
     return objects(obj)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
 
 
-def lora_modules(args: list[str]) -> list[str]:
-    start = args.index("--lora-modules") + 1
-    end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
-    return args[start:end]
+def lora_modules(obj: dict[str, Any], **kwargs: Any) -> list[str]:
+    """``name=path`` of each adapter a starting engine serves (the settings ConfigMap's list,
+    which its ``--lora-modules $(PAGODA_LORA_MODULES)`` reads)."""
+    data = objects(obj, **kwargs)["ConfigMap"]["data"]
+    return [f"{m['name']}={m['path']}" for m in json.loads(data["loraModules"])]
 
 
 def flag(args: list[str], name: str) -> str | None:
@@ -61,31 +62,74 @@ def flag(args: list[str], name: str) -> str | None:
 # --- the engine's flags ---------------------------------------------------------------------
 
 
-def test_adapters_become_lora_modules_with_derived_limits() -> None:
-    args = serve_args(with_defaults(llmd([SQL, CHAT, BAKED])["spec"]))
-    assert "--enable-lora" in args
-    assert lora_modules(args) == [
+def test_adapters_become_lora_modules_read_from_the_settings_config_map() -> None:
+    obj = llmd([SQL, CHAT, BAKED])
+    container = engine(obj)
+    args = container["args"]
+    assert "--enable-lora" in args and flag(args, "--lora-modules") == "$(PAGODA_LORA_MODULES)"
+    assert lora_modules(obj) == [
         f"sql=/adapters/{adapter_folder(SQL)}",
         f"chat.v2=/adapters/{adapter_folder(CHAT)}",
         "baked=/opt/adapters/baked",  # a folder already in the container
     ]
-    # A slot for each adapter (the engine's own default of 1 would serialize them), every
-    # adapter kept in CPU memory, and the engine's rank default.
-    assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras")) == ("3", "3")
+    env = {entry["name"]: entry for entry in container["env"]}
+    assert env["PAGODA_LORA_MODULES"]["valueFrom"]["configMapKeyRef"] == {
+        "name": "qwen-engine-settings", "key": "loraModules"}  # fmt: skip
+    # The admin API the operator loads adapters through, behind the engines' own key.
+    assert flag(args, "--admin-port") == "8001"
+    assert env["PAGODA_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "qwen-engine-admin"
+    assert "admin" in {port["name"] for port in container["ports"]}
+    # Not tuned: the knobs stay values, and the ConfigMap holds only the adapters.
+    assert flag(args, "--max-num-seqs") == "1024"
+    assert set(objects(obj)["ConfigMap"]["data"]) == {"loraModules"}
+    # Eight slots and room for every adapter a spec may list, whatever the adapters.
+    assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras")) == ("8", "32")
     assert "--max-lora-rank" not in args
 
 
-def test_many_adapters_get_at_most_eight_slots_unless_asked() -> None:
+def test_the_limits_are_the_spec_s_and_never_follow_the_adapters() -> None:
     many = [{"name": f"a{i}", "uri": f"hf://acme/a{i}"} for i in range(12)]
-    args = serve_args(with_defaults(llmd(many)["spec"]))
-    assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras")) == ("8", "12")
+    assert engine(llmd(many))["args"] == engine(llmd([SQL]))["args"]
     lora = {"maxLoras": 12, "maxLoraRank": 64, "maxCpuLoras": 20}
     args = serve_args(with_defaults(llmd(many, engine={"lora": lora})["spec"]))
     assert [flag(args, f) for f in ("--max-loras", "--max-lora-rank", "--max-cpu-loras")] == [
         "12", "64", "20"]  # fmt: skip
-    # maxCpuLoras alone caps the derived slots: the engine refuses max_cpu_loras < max_loras.
-    args = serve_args(with_defaults(llmd(many, engine={"lora": {"maxCpuLoras": 2}})["spec"]))
+    # maxCpuLoras alone caps the slots: the engine refuses max_cpu_loras < max_loras.
+    args = serve_args(with_defaults(llmd(many[:2], engine={"lora": {"maxCpuLoras": 2}})["spec"]))
     assert (flag(args, "--max-loras"), flag(args, "--max-cpu-loras")) == ("2", "2")
+
+
+def test_adding_changing_or_removing_an_adapter_keeps_the_pod_template() -> None:
+    """What the engines cannot change live rolls them; the adapter list never does."""
+    moved = {**SQL, "uri": "hf://acme/qwen-sql-lora@v2"}
+    lists = ([SQL], [SQL, CHAT], [moved, CHAT], [CHAT, BAKED], [BAKED])
+    templates = {json.dumps(objects(llmd(adapters))["Deployment"]["spec"]["template"],
+                            sort_keys=True) for adapters in lists}  # fmt: skip
+    assert len(templates) == 1
+    assert len({json.dumps(objects(llmd(a))["ConfigMap"]["data"]) for a in lists}) == len(lists)
+    # spec.engine.lora keeps LoRA on without adapters: the first one restarts nothing either.
+    kept_on = objects(llmd([], engine={"lora": {}}))
+    assert kept_on["Deployment"]["spec"]["template"] == objects(llmd([SQL], engine={
+        "lora": {}}))["Deployment"]["spec"]["template"]  # fmt: skip
+    assert json.loads(kept_on["ConfigMap"]["data"]["loraModules"]) == []
+
+
+def test_a_starting_engine_serves_only_adapters_it_can_start_with() -> None:
+    """Not an adapter the loader has not delivered yet (the folder is not there), nor one an
+    engine refused at that path (the pod would crash-loop); one delivered before stays."""
+    loaded = {"name": "sql", "path": f"/adapters/{adapter_folder(SQL)}", "state": "Loaded"}
+    refused = {"name": "baked", "path": "/opt/adapters/baked", "state": "Failed"}
+    obj = {**llmd([SQL, CHAT, BAKED]), "status": {"adapters": [loaded, refused]}}
+    assert [m.split("=")[0] for m in lora_modules(obj)] == ["sql", "chat.v2"]
+    assert [m.split("=")[0] for m in lora_modules(obj, model_cached=False)] == ["sql"]
+    pending = {"name": "sql", "path": loaded["path"], "state": "Pending"}
+    assert lora_modules({**obj, "status": {"adapters": [pending]}}, model_cached=False) == [
+        "baked=/opt/adapters/baked"]  # fmt: skip
+    # A new source of a refused adapter is tried again; a new version waits for the loader.
+    moved = {**BAKED, "uri": "/opt/adapters/baked-2"}
+    obj = {**llmd([{**SQL, "uri": "hf://acme/qwen-sql-lora@v2"}, moved]),
+           "status": {"adapters": [loaded, refused]}}  # fmt: skip
+    assert lora_modules(obj, model_cached=False) == ["baked=/opt/adapters/baked-2"]
 
 
 def test_no_adapters_no_lora_flags_and_no_cache_for_them() -> None:
@@ -94,12 +138,11 @@ def test_no_adapters_no_lora_flags_and_no_cache_for_them() -> None:
     assert "Job" not in objects(llmd([], source=None))
 
 
-def test_a_changed_uri_is_a_new_folder_and_a_new_rollout() -> None:
+def test_a_changed_uri_is_a_new_folder() -> None:
     moved = {**SQL, "uri": "hf://acme/qwen-sql-lora@v2"}
     assert adapter_folder(moved) != adapter_folder(SQL)
     assert adapter_folder(dict(SQL)) == adapter_folder(SQL)  # stable across reconciles
-    before, after = engine(llmd([SQL])), engine(llmd([moved]))
-    assert before["args"] != after["args"]
+    assert lora_modules(llmd([SQL])) != lora_modules(llmd([moved]))
 
 
 # --- delivery: the loader Job and the engine's mounts ----------------------------------------

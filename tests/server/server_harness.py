@@ -107,7 +107,8 @@ class ServerThread:
             admin_sock.bind(("127.0.0.1", 0))
             self.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
             self.admin_server = uvicorn.Server(uvicorn.Config(
-                build_admin_app(self.engine, admin_api_key), log_level="warning",
+                build_admin_app(self.engine, admin_api_key, self.app.state.adapters),
+                log_level="warning",
                 lifespan="off"))  # fmt: skip
             serving.append((self.admin_server, admin_sock))
 

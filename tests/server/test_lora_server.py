@@ -17,6 +17,8 @@ from inference.models.config import ModelConfig
 from inference.server.cli_serve import add_serve_args, check_serve_args, served_adapters
 from inference.server.lora_modules import RUNTIME_UPDATES_ENV, LoRAModule, ServedAdapters
 
+ADMIN_KEY = "the-admin-key"
+
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
@@ -37,7 +39,7 @@ def server(lora_setup):
     adapters.add("sql", str(lora_setup / "sql"))
     thread = ServerThread(
         base, served_model_names=["tiny"], max_model_len=128, num_kv_blocks=64, max_num_seqs=8,
-        enable_lora=True, max_loras=2, app_kwargs={"adapters": adapters},
+        enable_lora=True, max_loras=2, app_kwargs={"adapters": adapters}, admin_api_key=ADMIN_KEY,
     ).start()
     yield thread
     thread.stop()
@@ -90,6 +92,43 @@ def test_runtime_load_and_unload(server, lora_setup):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
+def test_the_admin_port_loads_lists_and_unloads_behind_its_key(server, lora_setup):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    load = {"lora_name": "ops", "lora_path": str(lora_setup / "chat")}
+    url = f"{server.admin_url}/v1/load_lora_adapter"
+    assert httpx.post(url, json=load).status_code == 401
+    assert httpx.post(url, json=load, headers=admin).status_code == 200
+    listed = httpx.get(f"{server.admin_url}/admin/lora-adapters", headers=admin).json()
+    assert listed["enabled"] is True
+    assert {"name": "ops", "path": str(lora_setup / "chat"), "base_model_name": "tiny"} in (
+        listed["adapters"])
+    # Served on the serving port at once, and listed by /v1/models with its parent.
+    cards = {card["id"]: card for card in httpx.get(f"{server.base_url}/v1/models").json()["data"]}
+    assert cards["ops"]["parent"] == "tiny"
+    assert _complete(server, "ops").status_code == 200
+    big = {"lora_name": "big", "lora_path": str(lora_setup / "too-big")}
+    refused = httpx.post(url, json=big, headers=admin)
+    assert refused.status_code == 400 and "exceeds --max-lora-rank 16" in refused.text
+    missing = {"lora_name": "gone", "lora_path": str(lora_setup / "nowhere")}
+    assert httpx.post(url, json=missing, headers=admin).status_code == 400
+    unload = httpx.post(f"{server.admin_url}/v1/unload_lora_adapter", json={"lora_name": "ops"},
+                        headers=admin)  # fmt: skip
+    assert unload.status_code == 200
+    assert "ops" not in {card["id"] for card in httpx.get(f"{server.base_url}/v1/models")
+                         .json()["data"]}  # fmt: skip
+
+
+def test_the_admin_routes_need_no_opt_in(monkeypatch, lora_setup):
+    from inference.async_engine import AsyncLLMEngine
+    from inference.config import EngineConfig
+    from inference.server.admin import build_admin_app
+
+    monkeypatch.delenv(RUNTIME_UPDATES_ENV, raising=False)
+    engine = AsyncLLMEngine(EngineConfig.from_kwargs(str(lora_setup / "base"), device="cpu"))
+    paths = set(build_admin_app(engine, "k").openapi()["paths"])
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/admin/lora-adapters"} <= paths
+
+
 def _parse(args: list[str]) -> argparse.Namespace:
     return add_serve_args(argparse.ArgumentParser()).parse_args(args)
 
@@ -101,6 +140,11 @@ def test_lora_modules_flag_takes_both_forms(lora_setup):
                    f'{{"name": "chat", "path": "{chat}", "base_model_name": "tiny"}}'])
     assert args.lora_modules == [LoRAModule("sql", str(sql)), LoRAModule("chat", str(chat), "tiny")]
     assert check_serve_args(args) == []
+    # A JSON list in one argument, as a pod's $(PAGODA_LORA_MODULES) expands; [] is none.
+    listed = _parse([str(lora_setup / "base"), "--enable-lora", "--lora-modules",
+                     f'[{{"name": "sql", "path": "{sql}"}}, {{"name": "chat", "path": "{chat}"}}]'])
+    assert listed.lora_modules == [LoRAModule("sql", str(sql)), LoRAModule("chat", str(chat))]
+    assert _parse(["m", "--enable-lora", "--lora-modules", "[]"]).lora_modules == []
     from inference.server.cli_serve import engine_config
 
     config = engine_config(args, ["tiny"])

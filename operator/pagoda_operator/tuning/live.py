@@ -94,14 +94,14 @@ async def apply_live(
                                  selector_labels(meta["name"]))  # fmt: skip
     except (KubeError, aiohttp.ClientError) as error:
         return LiveOutcome(False, f"reading the admin key or the engine pods: {error}")
-    ready = [pod for pod in pods if _ready_address(pod)]
+    ready = [pod for pod in pods if ready_address(pod)]
     if not ready:
         return LiveOutcome(False, "no engine pod is Ready")
     outcome = LiveOutcome(True)
     body = {ENGINE_SETTINGS[knob]: value}
     for pod in sorted(ready, key=lambda p: p["metadata"]["name"]):
         name = pod["metadata"]["name"]
-        url = f"http://{_ready_address(pod)}:{ADMIN_PORT}{ADMIN_PATH}"
+        url = f"http://{ready_address(pod)}:{ADMIN_PORT}{ADMIN_PATH}"
         try:
             status, answer = await post(url, key, body)
         except (OSError, aiohttp.ClientError, TimeoutError) as error:
@@ -121,7 +121,7 @@ def _refused(outcome: LiveOutcome, pod: str, why: str) -> LiveOutcome:
     return outcome
 
 
-def _ready_address(pod: dict[str, Any]) -> str | None:
+def ready_address(pod: dict[str, Any]) -> str | None:
     status = pod.get("status") or {}
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return None  # draining: it is going away, and its successor starts tuned
