@@ -278,7 +278,8 @@ class EngineCore:
                     continue
             elif not busy:
                 self._answer_live_change(engine)
-                if time.monotonic() >= self.next_heartbeat:
+                # Polled often while a change waits for its graphs: the heartbeat stays 1 s.
+                if self.live_change is None or time.monotonic() >= self.next_heartbeat:
                     self._check_health(engine)
                     self._send_stats(engine)  # the heartbeat
                 continue

@@ -337,6 +337,9 @@ class GraphExtension:
         self.buffers = _StaticBuffers(max_num_seqs, max([max_num_seqs, *sizes]),
                                       graphs.max_blocks, graphs.device)  # fmt: skip
         self.stream = torch.cuda.current_stream(graphs.device)  # the stepping thread's
+        # The capture thread's device (set per thread): "cuda" names the current one.
+        index = graphs.device.index
+        self.device_index = torch.cuda.current_device() if index is None else index
         self.recorded: dict[tuple[str, int], _Graph] = {}
         self.cancelled = threading.Event()
         self.warm_up_seconds = 0.0
@@ -356,14 +359,17 @@ class GraphExtension:
         """On the capture thread: records the missing graphs. Raises CaptureCancelled once
         ``cancel`` was called (checked between graphs)."""
         device = self.base.device
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(self.device_index)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(self.stream)  # the buffers were zeroed on the stepping stream
         with torch.inference_mode(), torch.cuda.stream(stream):
-            # This thread's cuBLAS handle and workspace, made outside any capture (making
-            # them is not allowed inside one), on private tensors.
-            scratch = torch.ones((8, 8), dtype=torch.float32, device=device)
-            torch.mm(scratch, scratch)
+            # This thread's cuBLAS and cuBLASLt handles and this stream's workspaces (large
+            # steps' linears are cuBLAS), made outside any capture, which may not make
+            # them; on private tensors.
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                scratch = torch.ones((16, 16), dtype=dtype, device=device)
+                torch.addmm(scratch[0], scratch, scratch.t())
+                torch.mm(scratch, scratch.t())
             for kind, size in self.shapes:
                 if self.cancelled.is_set():
                     raise CaptureCancelled("the engine stopped during the graph capture")
