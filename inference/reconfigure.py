@@ -220,8 +220,14 @@ def start_change(engine: Any, plan: ChangePlan) -> LiveChange:
     runner = engine.runner
     resizes_kv = plan.kv_blocks[0] != plan.kv_blocks[1]
     if plan.capture is not None and not resizes_kv:
-        capture = runner.capture_missing_graphs(plan.after["max_num_seqs"],
-                                                plan.after["max_num_batched_tokens"])  # fmt: skip
+        try:  # on this thread: new buffers, and warm-up runs of sizes never run
+            capture = runner.capture_missing_graphs(plan.after["max_num_seqs"],
+                                                    plan.after["max_num_batched_tokens"])  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the change is refused, the engine goes on
+            logger.exception("live change refused: preparing the CUDA graph capture failed")
+            raise ReconfigureError(409, (
+                f"preparing CUDA graphs for {plan.after} failed ({type(error).__name__}: "
+                f"{error}); nothing was changed")) from error
         if capture is not None:
             plan.background_graphs = capture.num_graphs
             logger.info("live change: %d CUDA graphs captured in the background (%s); steps "

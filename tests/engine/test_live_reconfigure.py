@@ -292,6 +292,16 @@ def test_a_failed_capture_refuses_the_change_and_leaves_the_engine_as_it_was(fol
     assert got == want
     engine.reconfigure({"max_num_seqs": 1})  # the engine still takes changes
     assert engine.scheduler.max_num_seqs == 1
+    # A failure preparing the capture (its buffers, warm-up runs) refuses it as well.
+    runner.capture_missing_graphs = lambda *limits: _raise(RuntimeError("CUDA out of memory"))
+    with pytest.raises(ReconfigureError) as error:
+        engine.begin_reconfigure({"max_num_seqs": 8})
+    assert error.value.status == 409 and "CUDA out of memory" in str(error.value)
+    assert engine.scheduler.max_num_seqs == 1 and engine._live_change is None
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def test_a_second_change_during_a_capture_is_refused_and_a_dry_run_answered(folder):
