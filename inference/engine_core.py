@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
     from inference.models.config import ModelConfig
     from inference.outputs import RequestOutput
+    from inference.reconfigure import LiveChange
     from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ logger = logging.getLogger(__name__)
 STEP_TRACE_ENV = "PAGODA_STEP_TRACE"  # a CSV path: one row per engine step, written at exit
 HEARTBEAT_S = 1.0  # an idle core sends its stats this often: the server's liveness signal
 HEALTH_CHECK_S = 1.0  # how often a busy core asks the engine whether its workers live
+# How often an idle core looks whether a live change's CUDA graphs are ready.
+LIVE_CHANGE_POLL_S = 0.02
 PARENT_GRACE_S = 5.0  # after the parent died, how long the loop may take to notice by itself
 _WARMUP_MAX_STEPS = 10_000
 _WARMUP_PROMPT_TOKENS = 8
@@ -199,6 +202,10 @@ class EngineCore:
         self.trace: list[tuple] = []
         self.trace_totals: tuple[int, int] | None = None  # token counters before the step
         self.computed_tokens = 0  # the engine's computed_tokens_total after the last step
+        # A live change waiting for its CUDA graphs, and the token its answer goes with: it
+        # is answered once in effect (or refused), while steps go on.
+        self.live_change: tuple[str, LiveChange] | None = None
+        self.next_heartbeat = 0.0
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -262,14 +269,19 @@ class EngineCore:
         commands = self.commands
         while True:
             busy = engine.has_unfinished_requests()
-            if commands.poll(0 if busy else HEARTBEAT_S):
+            idle_wait = LIVE_CHANGE_POLL_S if self.live_change is not None else HEARTBEAT_S
+            if commands.poll(0 if busy else idle_wait):
                 self._take_commands(engine)
                 if not engine.has_unfinished_requests():
+                    self._answer_live_change(engine)
                     self._send_stats(engine)
                     continue
             elif not busy:
-                self._check_health(engine)
-                self._send_stats(engine)  # the heartbeat
+                self._answer_live_change(engine)
+                # Polled often while a change waits for its graphs: the heartbeat stays 1 s.
+                if self.live_change is None or time.monotonic() >= self.next_heartbeat:
+                    self._check_health(engine)
+                    self._send_stats(engine)  # the heartbeat
                 continue
             start = time.time()
             outputs = engine.step()
@@ -283,6 +295,18 @@ class EngineCore:
                 self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
                 self._check_health(engine)
+            self._answer_live_change(engine)
+
+    def _answer_live_change(self, engine: CoreEngine) -> None:
+        """Between steps: the live change whose graphs are ready is made (or refused) and
+        answered."""
+        if self.live_change is None:
+            return
+        token, change = self.live_change
+        engine.poll_reconfigure()  # type: ignore[attr-defined]
+        if change.done:
+            self.live_change = None
+            self._send([_answer_change(engine, token, change)])
 
     def _count_iteration_tokens(self, engine: CoreEngine) -> None:
         computed = engine.computed_tokens_total
@@ -356,7 +380,11 @@ class EngineCore:
             if remove is not None:
                 remove(command.lora_int_id)
         elif isinstance(command, Reconfigure):
-            self._send([_reconfigure(engine, command)])
+            answer = _reconfigure(engine, command)
+            if isinstance(answer, Reconfigured):
+                self._send([answer])
+            else:  # waits for its graphs: answered once done (``_answer_live_change``)
+                self.live_change = (command.token, answer)
         elif isinstance(command, Shutdown):
             raise _Shutdown()
         else:
@@ -409,6 +437,7 @@ class EngineCore:
             raise _Shutdown() from exc  # the server is gone
 
     def _send_stats(self, engine: CoreEngine) -> None:
+        self.next_heartbeat = time.monotonic() + HEARTBEAT_S
         timings, self.timings = self.timings, StepTimings()
         self._send([Heartbeat(engine.stats(), self.num_adds, timings or None)])
 
@@ -423,22 +452,38 @@ def _count(counts: dict[str, int], key: str) -> None:
     counts[key] = counts.get(key, 0) + 1
 
 
-def _reconfigure(engine: CoreEngine, command: Reconfigure) -> Reconfigured:
-    """Plan or apply a live change now, between steps; a refusal changes nothing."""
-    change = getattr(engine, "reconfigure", None)
-    if change is None:
+def _reconfigure(engine: CoreEngine, command: Reconfigure) -> Reconfigured | LiveChange:
+    """Plan a live change, or start it between steps: the answer now, or the change still
+    waiting for its CUDA graphs (``_answer_change`` once it is done). A refusal changes
+    nothing."""
+    if getattr(engine, "begin_reconfigure", None) is None:
         return Reconfigured(command.token, 409, "this engine takes no live changes", {})
-    from inference.reconfigure import ReconfigureError, change_costs, live_settings
+    from inference.reconfigure import ReconfigureError, change_costs, live_settings, plan_change
 
     try:
-        plan, seconds = change(command.changes, dry_run=command.dry_run)
+        if command.dry_run:
+            plan = plan_change(engine, command.changes)
+            return Reconfigured(command.token, 200, "planned", live_settings(engine),
+                                plan.as_dict(), change_costs(engine))  # fmt: skip
+        change = engine.begin_reconfigure(command.changes)  # type: ignore[attr-defined]
     except ReconfigureError as error:
         return Reconfigured(command.token, error.status, str(error), live_settings(engine),
                             costs=change_costs(engine))  # fmt: skip
+    return _answer_change(engine, command.token, change) if change.done else change
+
+
+def _answer_change(engine: CoreEngine, token: str, change: LiveChange) -> Reconfigured:
+    """The answer to a change that is done: made, or refused (its capture failed)."""
+    from inference.reconfigure import ReconfigureError, change_costs, live_settings
+
+    try:
+        plan, seconds = change.result()
+    except ReconfigureError as error:
+        return Reconfigured(token, error.status, str(error), live_settings(engine),
+                            costs=change_costs(engine))  # fmt: skip
     return Reconfigured(
-        command.token, 200, "planned" if command.dry_run else "applied",
-        live_settings(engine), plan.as_dict(), change_costs(engine), seconds,
-        engine.config, engine.num_total_blocks,
+        token, 200, "applied", live_settings(engine), plan.as_dict(), change_costs(engine),
+        seconds, engine.config, engine.num_total_blocks,
     )  # fmt: skip
 
 

@@ -37,7 +37,14 @@ from inference.lora.registry import LoRARegistry, lora_stats
 from inference.lora.request import LoRARequest
 from inference.output_processor import RequestState
 from inference.outputs import RequestOutput
-from inference.reconfigure import ChangePlan, apply_change, plan_change
+from inference.reconfigure import (
+    ChangePlan,
+    LiveChange,
+    ReconfigureError,
+    finish_change,
+    plan_change,
+    start_change,
+)
 from inference.sampler import (
     PromptLogprobsRequest,
     RowLogprobs,
@@ -127,6 +134,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: _LaunchedStep | None = None
         self._pending_outputs: list[RequestOutput] = []
+        # A live change waiting for its CUDA graphs (``begin_reconfigure``).
+        self._live_change: LiveChange | None = None
         self._next_seq_id = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
@@ -284,6 +293,8 @@ class LLMEngine:
         """One scheduling step. With async scheduling the step is launched first and the
         previous step's tokens are processed while the device runs it, so the host's work
         (stop checks, detokenization, outputs, the next schedule) hides behind the GPU's."""
+        if self._live_change is not None:
+            self.poll_reconfigure()  # a step boundary: a change whose graphs are ready
         if self._awaiting_grammar:
             self._admit_grammar_requests()
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -465,17 +476,48 @@ class LLMEngine:
 
     # -- live settings (``inference.reconfigure``) ----------------------------------------
     def reconfigure(self, changes: dict, dry_run: bool = False) -> tuple[ChangePlan, float]:
-        """Plan ``changes`` (setting -> value) and, unless ``dry_run``, apply them now,
-        between steps: the step in flight completes first (its outputs go out with the
-        next step). Returns the plan and the seconds applying took. ReconfigureError
-        (changing nothing) for a change that cannot be made live."""
+        """Plan ``changes`` (setting -> value) and, unless ``dry_run``, make them now,
+        between steps, waiting for any CUDA graphs they need (no step runs meanwhile: the
+        caller is the step loop). Returns the plan and the seconds it took.
+        ReconfigureError (changing nothing) for a change that cannot be made live."""
         if dry_run:
             return plan_change(self, changes), 0.0
+        change = self.begin_reconfigure(changes)
+        if not change.done:
+            change.wait_captured()
+            self.poll_reconfigure()
+        return change.result()
+
+    def begin_reconfigure(self, changes: dict) -> LiveChange:
+        """Start ``changes`` between steps: the step in flight completes first (its outputs
+        go out with the next step). A change that needs CUDA graphs the runner lacks is
+        ``done`` only later: its graphs are recorded in the background while ``step`` goes
+        on under the old limits, and the first step after they are ready makes it (or
+        refuses it, if the capture failed). ReconfigureError for a change that cannot be
+        made, and (409) while another one waits for its graphs."""
+        if self._live_change is not None:
+            raise ReconfigureError(409, self._live_change.under_way())
+        self._settle()
+        change = start_change(self, plan_change(self, changes))
+        if not change.done:
+            self._live_change = change
+        return change
+
+    def poll_reconfigure(self) -> None:
+        """At a step boundary: the change whose graphs are ready takes effect, or is
+        refused; nothing to do otherwise."""
+        change = self._live_change
+        if change is None or not change.captured:
+            return
+        self._live_change = None
+        self._settle()
+        finish_change(self, change)
+
+    def _settle(self) -> None:
+        """Complete the step in flight (its outputs go out with the next step)."""
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
             self._complete(previous, self._pending_outputs)
-        plan = plan_change(self, changes)
-        return plan, apply_change(self, plan)
 
     # -- lifecycle and health -----------------------------------------------------------
     def check_health(self) -> None:
@@ -494,7 +536,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model: stops tensor-parallel workers, and drops the weights, KV
         cache and graphs held here (their memory goes back once collected). Safe to call
-        more than once; the engine runs no more steps after it."""
+        more than once; the engine runs no more steps after it. A CUDA graph capture under
+        way is cancelled first (its change is never made)."""
+        change = getattr(self, "_live_change", None)
+        if change is not None:
+            self._live_change = None
+            change.cancel()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()

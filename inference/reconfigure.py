@@ -9,10 +9,21 @@ on a GPU also ``gpu_memory_utilization``, which sizes it). A change is planned f
    the scheduler does when blocks run out) needed to fit, then moves every block still
    used past the new end into a free one below it (free blocks without cached content
    first); a growing one gets empty blocks at its end;
-2. CUDA graphs are captured again when the new limits pass the captured sizes, or when
-   the tensors they read were reallocated (the KV cache, the sampled-ids buffer): the
-   capture is the runner's ``capture_graphs``, called before the new limits are used;
+2. CUDA graphs: limits past the captured sizes need graphs for the sizes missing, and the
+   graphs there are stay valid, so only those are recorded, in the background
+   (``start_change``: the runner's ``capture_missing_graphs``, run on a thread of its own)
+   while the engine keeps stepping under the old limits; the change takes effect at the
+   first step boundary after the capture finished (``finish_change``), and a capture
+   that fails refuses the change, leaving the engine as it was. Where the tensors the
+   graphs read are reallocated (a KV resize, a sampled-ids buffer that must grow past 1024
+   sequences) every graph is captured again, between two steps, as the engine starts
+   (``capture_graphs``: the engine stalls for it);
 3. the scheduler takes the new limits and ``engine.config`` says what now runs.
+
+One change at a time: while one waits for its graphs, another is refused (409, say which
+is under way; a dry run is answered). A change is answered once it is in effect, so its
+``seconds`` include the capture. An engine that stops during a capture cancels it
+(``LiveChange.cancel``: between graphs) and waits a bounded time for the thread.
 
 Nothing a request sees changes: a preempted sequence keeps its tokens and recomputes its
 KV, so its next tokens are the ones it would have had. Lowering ``max_num_seqs`` below the
@@ -26,6 +37,7 @@ parallel workers) takes only the changes that need none of it, and refuses the r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -57,6 +69,22 @@ class LiveRunner(Protocol):
     def blocks_at_memory_utilization(self, utilization: float) -> int: ...
     def resize_kv_cache(self, num_blocks: int, moves: list[tuple[int, int]]) -> None: ...
     def capture_graphs(self) -> float: ...
+    def capture_missing_graphs(
+        self, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> GraphCapture | None: ...
+
+
+class GraphCapture(Protocol):
+    """Graphs recorded in the background for raised limits (``ModelRunner``'s
+    ``BackgroundGraphs``): ``run`` on the capture thread (raises on failure), ``cancel``
+    from any thread (``run`` then stops between graphs), ``install`` on the stepping thread
+    at a step boundary, after ``run`` returned."""
+
+    num_graphs: int
+
+    def run(self) -> None: ...
+    def cancel(self) -> None: ...
+    def install(self) -> None: ...
 
 
 @dataclass
@@ -69,6 +97,7 @@ class ChangePlan:
     kv_blocks: tuple[int, int] = (0, 0)  # before, after
     moved_blocks: int = 0  # used blocks copied below the new end (shrink)
     preemptions: int = 0  # running sequences recomputed to make a shrink fit
+    background_graphs: int = 0  # graphs recorded while steps went on (not stalling)
     notes: list[str] = field(default_factory=list)
     victims: list[Sequence] = field(default_factory=list, repr=False)
 
@@ -120,9 +149,120 @@ def plan_change(engine: Any, changes: dict[str, Any]) -> ChangePlan:
     return plan
 
 
-def apply_change(engine: Any, plan: ChangePlan) -> float:
-    """Carry out ``plan`` (from ``plan_change`` on this engine, with no step run since and
-    none in flight); returns the seconds it took, capture included."""
+# How long an engine that stops waits for a capture thread to end (one graph's recording,
+# where it checks for the stop, takes well under a second).
+CANCEL_WAIT_S = 30.0
+
+
+class LiveChange:
+    """A change started by ``start_change``: ``done`` once it is in effect or refused;
+    ``result()`` then gives (plan, seconds from its start) or raises the refusal. Until
+    then its graphs are recorded on a thread of its own (``captured`` once that ended)."""
+
+    def __init__(self, plan: ChangePlan, capture: GraphCapture | None = None) -> None:
+        self.plan = plan
+        self.capture = capture
+        self.started = time.perf_counter()
+        self.seconds = 0.0
+        self.done = False
+        self.refusal: ReconfigureError | None = None
+        self._error: BaseException | None = None
+        self._captured = threading.Event()
+        self._thread: threading.Thread | None = None
+        if capture is not None:
+            # A daemon: a thread stuck in the driver never keeps the process from exiting.
+            self._thread = threading.Thread(target=self._record, name="graph-capture",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def _record(self) -> None:
+        try:
+            self.capture.run()  # type: ignore[union-attr]
+        except BaseException as error:  # noqa: BLE001 - reported when the change is finished
+            self._error = error
+        finally:
+            self._captured.set()
+
+    @property
+    def captured(self) -> bool:
+        return self._captured.is_set()
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        return self._captured.wait(timeout)
+
+    def under_way(self) -> str:
+        return (f"a change is under way ({self.plan.before} -> {self.plan.after}: "
+                f"{self.plan.background_graphs} CUDA graphs being captured); send another "
+                "once it has been answered")  # fmt: skip
+
+    def cancel(self, wait_s: float | None = None) -> None:
+        """Stop the capture (the change is then never made) and wait up to ``wait_s`` for
+        its thread."""
+        if self.capture is None or self._thread is None:
+            return
+        self.capture.cancel()
+        self._thread.join(CANCEL_WAIT_S if wait_s is None else wait_s)
+        if self._thread.is_alive():
+            logger.warning("the CUDA graph capture did not stop within %.0f s; leaving it",
+                           CANCEL_WAIT_S if wait_s is None else wait_s)  # fmt: skip
+
+    def result(self) -> tuple[ChangePlan, float]:
+        assert self.done, "the change is still waiting for its graphs"
+        if self.refusal is not None:
+            raise self.refusal
+        return self.plan, self.seconds
+
+
+def start_change(engine: Any, plan: ChangePlan) -> LiveChange:
+    """Start ``plan`` (from ``plan_change`` on this engine, with no step in flight): made
+    now, unless it needs graphs the runner can record in the background, which start
+    recording here; ``finish_change`` then makes it, between two steps."""
+    runner = engine.runner
+    resizes_kv = plan.kv_blocks[0] != plan.kv_blocks[1]
+    if plan.capture is not None and not resizes_kv:
+        try:  # on this thread: new buffers, and warm-up runs of sizes never run
+            capture = runner.capture_missing_graphs(plan.after["max_num_seqs"],
+                                                    plan.after["max_num_batched_tokens"])  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the change is refused, the engine goes on
+            logger.exception("live change refused: preparing the CUDA graph capture failed")
+            raise ReconfigureError(409, (
+                f"preparing CUDA graphs for {plan.after} failed ({type(error).__name__}: "
+                f"{error}); nothing was changed")) from error
+        if capture is not None:
+            plan.background_graphs = capture.num_graphs
+            logger.info("live change: %d CUDA graphs captured in the background (%s); steps "
+                        "go on under the old limits", capture.num_graphs, plan.capture)  # fmt: skip
+            return LiveChange(plan, capture)
+    change = LiveChange(plan)
+    change.seconds = apply_change(engine, plan)
+    change.done = True
+    return change
+
+
+def finish_change(engine: Any, change: LiveChange) -> None:
+    """Between two steps (none in flight), once ``change.captured``: switch to the new
+    graphs and make the change, or refuse it if the capture failed (nothing changes: the
+    graphs recorded are dropped, the old ones stay)."""
+    assert change.captured and not change.done
+    error = change._error
+    if error is not None:
+        logger.error("live change refused: the CUDA graph capture failed: %s: %s",
+                     type(error).__name__, error)  # fmt: skip
+        change.refusal = ReconfigureError(409, (
+            f"capturing CUDA graphs for {change.plan.after} failed ({type(error).__name__}: "
+            f"{error}); nothing was changed (a restart with the new flags captures them "
+            "at start-up)"))
+    else:
+        change.capture.install()  # type: ignore[union-attr]
+        apply_change(engine, change.plan, captured=True)
+    change.seconds = time.perf_counter() - change.started
+    change.done = True
+
+
+def apply_change(engine: Any, plan: ChangePlan, captured: bool = False) -> float:
+    """Carry out ``plan`` (from ``plan_change`` on this engine, with no step in flight;
+    ``captured``: its graphs were recorded in the background and are installed); returns
+    the seconds it took, any capture included."""
     start = time.perf_counter()
     after, runner = plan.after, engine.runner
     scheduler, block_manager = engine.scheduler, engine.block_manager
@@ -143,7 +283,9 @@ def apply_change(engine: Any, plan: ChangePlan) -> float:
             runner.resize_kv_cache(new_blocks, [])
             block_manager.grow(new_blocks)
         recapture = True
-    if _is_live_runner(runner) and (plan.capture is not None or recapture):
+    if captured:
+        assert not recapture, "background captures are only started for graphs that stay"
+    elif _is_live_runner(runner) and (plan.capture is not None or recapture):
         captured_s = runner.capture_graphs()
         logger.info("live change: CUDA graphs captured in %.2f s", captured_s)
     scheduler.max_num_seqs = after["max_num_seqs"]

@@ -30,7 +30,7 @@ from inference.lora.slots import LoRASlotTable
 from inference.models.config import ModelConfig
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
-from inference.runner.cuda_graphs import StepGraphs
+from inference.runner.cuda_graphs import DECODE_GRAPH_BATCHES, GraphExtension, StepGraphs
 from inference.runner.step_inputs import StepInputs, build_step_inputs, resolve_placeholders
 from inference.sampler import (
     SampledTokens,
@@ -80,9 +80,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
-        # The last step's sampled ids, where the next step's placeholders read them.
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64,
-                                       device=self.device)  # fmt: skip
+        # The last step's sampled ids, where the next step's placeholders read them. Every
+        # graph reads this buffer, so it has room for the largest captured batch from the
+        # start (8 KiB): raising max_num_seqs live up to it keeps the graphs there are.
+        self.sampled_ids = torch.zeros(max(config.max_num_seqs, DECODE_GRAPH_BATCHES[-1]),
+                                       dtype=torch.int64, device=self.device)  # fmt: skip
         # LoRA adapters: their device slots, and (on one device) which adapter is in which.
         self.loras: DeviceLoRAs | None = None
         self.lora_table: LoRASlotTable | None = None
@@ -203,7 +205,7 @@ class ModelRunner:
 
     def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> bool:
         """The scheduler's new limits. Returns True when the captured graphs must be made
-        again: the buffer of sampled ids they read grew."""
+        again: the buffer of sampled ids they read grew (past 1024 sequences)."""
         self.config = replace(self.config, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
         if max_num_seqs <= len(self.sampled_ids):
@@ -223,6 +225,24 @@ class ModelRunner:
         _, total = torch.cuda.mem_get_info(self.device)
         delta = (utilization - self.config.gpu_memory_utilization) * total
         return max(1, self.num_blocks + int(delta // self.bytes_per_block))
+
+    def capture_missing_graphs(
+        self, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> BackgroundGraphs | None:
+        """The graphs that these limits need and the runner lacks, to be recorded in the
+        background while steps replay the ones it has (``GraphExtension``); None where all
+        of them must be captured again instead (there are none, or the sampled-ids buffer
+        that every graph reads must grow). Called on the stepping thread between steps:
+        new sizes whose kernels never ran get their eager warm-up here, and so do the
+        attention variants of a larger step budget."""
+        graphs = self.graphs
+        if graphs is None or max_num_seqs > len(self.sampled_ids):
+            return None
+        extension = GraphExtension(graphs, max_num_seqs, max_num_batched_tokens)
+        extension.warm_up()
+        if max_num_batched_tokens > self.config.max_num_batched_tokens:
+            self._warm_up_attention_variants(max_num_batched_tokens)
+        return BackgroundGraphs(self, extension)
 
     @torch.inference_mode()
     def resize_kv_cache(self, num_blocks: int, moves: list[tuple[int, int]]) -> None:
@@ -288,12 +308,12 @@ class ModelRunner:
                 self.graphs.eager_seconds, self.graphs.record_seconds,
             )
         warm_start = time.perf_counter()
-        self._warm_up_attention_variants()
+        self._warm_up_attention_variants(self.config.max_num_batched_tokens)
         logger.info("attention variants warmed in %.2f s", time.perf_counter() - warm_start)
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def _warm_up_attention_variants(self) -> None:
+    def _warm_up_attention_variants(self, max_num_batched_tokens: int) -> None:
         """Compile every attention variant a step can need before the engine reports
         ready: the kernel is specialised on its tiling and on how many segments the KV
         range is split into, and a variant first met by a request would stall every
@@ -304,7 +324,7 @@ class ModelRunner:
         layer = self.model.layers[0]
         warmed = [
             warm_up_paged_attention(k_cache, v_cache, layer.num_heads, layer.scale,
-                                    self.config.max_num_batched_tokens, decode, self.dtype,
+                                    max_num_batched_tokens, decode, self.dtype,
                                     layer.k_scale, layer.v_scale)
             for decode in (False, True)
         ]  # fmt: skip
@@ -395,6 +415,28 @@ class ModelRunner:
         if not verifying:  # a verifying step completes before the next is built
             self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
         return StepHandle(sampled.start_copy_to_host(), prompt_logprobs)
+
+
+class BackgroundGraphs:
+    """A ``GraphExtension`` as ``inference.reconfigure`` drives it: ``run`` on the capture
+    thread, ``cancel`` from any thread, ``install`` on the stepping thread between steps."""
+
+    def __init__(self, runner: ModelRunner, extension: GraphExtension) -> None:
+        self.runner, self.extension = runner, extension
+        self.num_graphs = len(extension.shapes)
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        self.extension.record()
+        logger.info("CUDA graphs: %d recorded in the background in %.2f s (%.2f s warm-up "
+                    "between steps before)", self.num_graphs, time.perf_counter() - start,
+                    self.extension.warm_up_seconds)  # fmt: skip
+
+    def cancel(self) -> None:
+        self.extension.cancel()
+
+    def install(self) -> None:
+        self.runner.graphs = self.extension.merged()
 
 
 class StepHandle:

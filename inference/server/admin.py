@@ -15,9 +15,12 @@ NetworkPolicy can narrow that to its namespace) can even try the key.
   preempts); with settings as query parameters (``?max_num_seqs=512``), the plan of that
   change as well (nothing is changed).
 - ``POST /admin/engine-config`` with a JSON object of settings: applies the change between
-  two engine steps and answers once it is in effect (200, with what it took), or why not:
-  422 for a value the engine cannot run, 409 for one it cannot take live (restart with the
-  flag instead), 503 while the engine loads or after it failed.
+  two engine steps and answers once it is in effect (200, with what it took: a change past
+  the captured CUDA graphs waits for the missing ones, captured in the background while the
+  engine steps on under the old limits), or why not: 422 for a value the engine cannot run,
+  409 for one it cannot take live (restart with the flag instead; also a capture that
+  failed, and a change sent while another one waits for its graphs: one at a time, send
+  it again once the first has answered), 503 while the engine loads or after it failed.
 
 - ``GET /admin/lora-adapters``: the adapters served now (name, path, base model), and
   whether the server runs with ``--enable-lora``.

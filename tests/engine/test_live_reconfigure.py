@@ -1,11 +1,14 @@
 """Settings changed in a running engine, between steps (``inference.reconfigure``): requests
 in flight finish with exactly the tokens they would have had, none fails, every KV block
 comes back; a shrink preempts only what it must; graphs are captured before a larger batch
-is used; what cannot be made live is refused, changing nothing."""
+is used, in the background while steps go on under the old limits, and a failed capture
+refuses the change; what cannot be made live is refused, changing nothing."""
 
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 from tiny_models import build_tiny_model
@@ -153,3 +156,210 @@ def test_a_batch_past_the_captured_graphs_is_captured_before_it_is_used(folder):
     assert engine.scheduler.max_num_seqs == 16 and runner.limits == (16, 64)
     plan, _ = engine.reconfigure({"num_kv_blocks": 80}, dry_run=True)
     assert "reallocated" in plan.capture  # graphs read the KV tensors
+
+
+# -- graphs captured in the background (``start_change``, ``finish_change``) ---------------
+
+DEADLINE_S = 120.0  # generous: the box may be loaded; nothing here waits for it unless broken
+
+
+class _BackgroundCapture:
+    """Graphs "recorded" on the capture thread: ``run`` returns once ``release`` is set
+    (raising ``fail`` then, if given), or raises once cancelled; ``install`` switches the
+    runner's limits and records the scheduler's limit at that moment."""
+
+    def __init__(self, runner: _GraphRunner, limits: tuple[int, int], fail=None) -> None:
+        self.runner, self.limits, self.fail = runner, limits, fail
+        self.num_graphs = 3
+        self.started, self.release, self.cancelled = (threading.Event() for _ in range(3))
+        self.stopped = threading.Event()
+        self.ignore_cancel = False
+
+    def run(self) -> None:
+        self.started.set()
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while not self.release.wait(0.01):
+                if self.cancelled.is_set() and not self.ignore_cancel:
+                    raise RuntimeError("cancelled")
+                assert time.monotonic() < deadline, "the test never released the capture"
+            if self.fail is not None:
+                raise self.fail
+        finally:
+            self.stopped.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def install(self) -> None:
+        self.runner.installs.append(self.runner._engine.scheduler.max_num_seqs)
+        self.runner.limits = self.limits
+
+
+class _BackgroundRunner(_GraphRunner):
+    """``_GraphRunner`` whose missing graphs are recorded in the background."""
+
+    def __init__(self, engine: LLMEngine, fail=None) -> None:
+        super().__init__(engine)
+        self.fail = fail
+        self.installs: list[int] = []
+        self.pending: list[_BackgroundCapture] = []
+
+    def set_batch_limits(self, max_num_seqs, max_num_batched_tokens):
+        self._runner.set_batch_limits(max_num_seqs, max_num_batched_tokens)
+        return False  # the sampled-ids buffer has room: the graphs there are stay
+
+    def capture_missing_graphs(self, max_num_seqs, max_num_batched_tokens):
+        capture = _BackgroundCapture(self, (max_num_seqs, max(max_num_batched_tokens, 64)),
+                                     self.fail)  # fmt: skip
+        self.pending.append(capture)
+        return capture
+
+
+def _wait(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _add_all(engine: LLMEngine, prompts=PROMPTS) -> None:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+
+
+def _collect(outputs: dict[str, list[int]], step_outputs) -> None:
+    for out in step_outputs:
+        outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def test_steps_go_on_under_the_old_limits_while_graphs_are_captured(folder):
+    reference = _engine(folder, max_num_seqs=2)
+    want, _ = _run(reference)
+    engine = _engine(folder, max_num_seqs=2)
+    runner = engine.runner = _BackgroundRunner(engine)
+    runner.limits = (2, 64)
+    _add_all(engine)
+    got: dict[str, list[int]] = {}
+    for _ in range(3):
+        _collect(got, engine.step())
+    change = engine.begin_reconfigure({"max_num_seqs": 8})
+    assert not change.done and change.plan.background_graphs == 3
+    capture = runner.pending[0]
+    _wait(capture.started.is_set, "the capture thread to start")
+    # The capture runs on its own thread; the engine steps meanwhile, at the old limit.
+    tokens_before = sum(map(len, got.values()))
+    for _ in range(10):
+        _collect(got, engine.step())
+        assert len(engine.scheduler.running) <= 2 and engine.scheduler.max_num_seqs == 2
+    assert sum(map(len, got.values())) > tokens_before + 10  # 10 steps' tokens came out
+    assert not change.done and live_settings(engine)["max_num_seqs"] == 2
+    capture.release.set()
+    _wait(lambda: change.captured, "the capture to finish")
+    _collect(got, engine.step())  # the first step boundary after it: the change is made
+    assert change.done and runner.installs == [2]  # installed before the new limit was used
+    plan, seconds = change.result()
+    assert plan.after["max_num_seqs"] == 8 and seconds > 0
+    assert engine.scheduler.max_num_seqs == 8 and runner.limits == (8, 64)
+    assert len(engine.scheduler.running) > 2  # the raised limit is in use
+    while engine.has_unfinished_requests():
+        _collect(got, engine.step())
+    assert got == want  # nothing in flight was lost or changed
+    engine.block_manager.check_invariants([])
+
+
+def test_a_failed_capture_refuses_the_change_and_leaves_the_engine_as_it_was(folder):
+    want, _ = _run(_engine(folder, max_num_seqs=2))
+    engine = _engine(folder, max_num_seqs=2)
+    runner = engine.runner = _BackgroundRunner(engine, fail=RuntimeError("out of memory"))
+    runner.limits = (2, 64)
+    _add_all(engine)
+    got: dict[str, list[int]] = {}
+    _collect(got, engine.step())
+    before = live_settings(engine)
+    change = engine.begin_reconfigure({"max_num_seqs": 8, "max_num_batched_tokens": 32})
+    runner.pending[0].release.set()
+    _wait(lambda: change.captured, "the capture to fail")
+    _collect(got, engine.step())
+    assert change.done
+    with pytest.raises(ReconfigureError) as error:
+        change.result()
+    assert error.value.status == 409 and "out of memory" in str(error.value)
+    assert "nothing was changed" in str(error.value)
+    assert live_settings(engine) == before and runner.installs == [] and runner.limits == (2, 64)
+    while engine.has_unfinished_requests():
+        _collect(got, engine.step())
+    assert got == want
+    engine.reconfigure({"max_num_seqs": 1})  # the engine still takes changes
+    assert engine.scheduler.max_num_seqs == 1
+    # A failure preparing the capture (its buffers, warm-up runs) refuses it as well.
+    runner.capture_missing_graphs = lambda *limits: _raise(RuntimeError("CUDA out of memory"))
+    with pytest.raises(ReconfigureError) as error:
+        engine.begin_reconfigure({"max_num_seqs": 8})
+    assert error.value.status == 409 and "CUDA out of memory" in str(error.value)
+    assert engine.scheduler.max_num_seqs == 1 and engine._live_change is None
+
+
+def _raise(error: Exception):
+    raise error
+
+
+def test_a_second_change_during_a_capture_is_refused_and_a_dry_run_answered(folder):
+    engine = _engine(folder, max_num_seqs=2)
+    runner = engine.runner = _BackgroundRunner(engine)
+    runner.limits = (2, 64)
+    change = engine.begin_reconfigure({"max_num_seqs": 8})
+    with pytest.raises(ReconfigureError) as error:
+        engine.begin_reconfigure({"max_num_seqs": 1})
+    assert error.value.status == 409 and "under way" in str(error.value)
+    plan, _ = engine.reconfigure({"num_kv_blocks": 32}, dry_run=True)
+    assert plan.kv_blocks == (64, 32)
+    runner.pending[0].release.set()
+    _wait(lambda: change.captured, "the capture to finish")
+    engine.step()  # idle: the step boundary still makes the change
+    assert change.done and engine.scheduler.max_num_seqs == 8
+    # The blocking form (the step loop waits): made once its capture is done.
+    threading.Timer(0.2, lambda: runner.pending[-1].release.set()).start()
+    plan, _ = engine.reconfigure({"max_num_seqs": 16, "max_num_batched_tokens": 64})
+    assert engine.scheduler.max_num_seqs == 16 and runner.limits == (16, 64)
+    assert len(runner.pending) == 2
+
+
+@pytest.mark.parametrize("ignore_cancel", [False, True])
+def test_a_shutdown_during_a_capture_does_not_hang(folder, monkeypatch, ignore_cancel):
+    monkeypatch.setattr("inference.reconfigure.CANCEL_WAIT_S", 0.5)
+    engine = _engine(folder, max_num_seqs=2)
+    runner = engine.runner = _BackgroundRunner(engine)
+    runner.limits = (2, 64)
+    _add_all(engine, PROMPTS[:3])
+    engine.step()
+    change = engine.begin_reconfigure({"max_num_seqs": 8})
+    capture = runner.pending[0]
+    capture.ignore_cancel = ignore_cancel
+    _wait(capture.started.is_set, "the capture thread to start")
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < DEADLINE_S / 2
+    assert capture.cancelled.is_set() and not change.done
+    if not ignore_cancel:
+        assert capture.stopped.wait(DEADLINE_S)  # it stopped between graphs
+    capture.release.set()  # (the stuck one ends with the test)
+
+
+def test_only_the_missing_graphs_are_recorded():
+    from inference.runner.cuda_graphs import graph_sizes, missing_shapes, mixed_rows
+
+    batches, tokens = graph_sizes(256, 8192)
+    have = {("decode", b): b for b in batches} | {("mixed", t): mixed_rows(256) for t in tokens}
+    assert len(have) == 34
+    missing = missing_shapes(have, 512, 8192)
+    # Four larger batches; the mixed steps past 256 tokens may now hold more sequences than
+    # their graphs have rows; the smaller ones hold at most their token count.
+    assert [s for k, s in missing if k == "decode"] == [512, 448, 384, 320]
+    assert [s for k, s in missing if k == "mixed"] == [t for t in reversed(tokens) if t > 256]
+    assert missing_shapes(have, 128, 8192) == missing_shapes(have, 256, 8192) == []
+    batches, tokens = graph_sizes(64, 512)
+    have = {("decode", b): b for b in batches} | {("mixed", t): mixed_rows(64) for t in tokens}
+    assert missing_shapes(have, 64, 2048) == [
+        ("mixed", t) for t in (2048, 1792, 1536, 1280, 1024, 896, 768, 640, 576)
+    ]

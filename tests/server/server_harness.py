@@ -234,3 +234,67 @@ def engine_failing_on_fault_seed(config):
 
     engine.step = faulty_step
     return engine
+
+
+# `engine_capturing_in_background`'s capture ends once the engine ran this many steps.
+STEPS_DURING_CAPTURE = 5
+
+
+def engine_capturing_in_background(config):
+    """Runs in the engine process: a real engine whose runner acts as if it had CUDA graphs
+    up to its start-up limits. A change past them "records" the missing graphs on the
+    capture thread (``inference.reconfigure``), done only once the engine has run
+    STEPS_DURING_CAPTURE steps after the capture started: it completes only if steps go
+    on meanwhile (after 60 s without them it fails, and the change is refused)."""
+    from inference.engine_core import default_engine_factory
+
+    engine = default_engine_factory(config)
+    engine.runner = _BackgroundGraphsRunner(engine)
+    return engine
+
+
+class _BackgroundGraphsRunner:
+    def __init__(self, engine) -> None:
+        self._runner = engine.runner
+        self.limits = (engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
+        self.steps = 0
+        step = engine.step
+
+        def counted_step():
+            self.steps += 1
+            return step()
+
+        engine.step = counted_step
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def graph_limits(self):
+        return self.limits
+
+    def capture_missing_graphs(self, max_num_seqs, max_num_batched_tokens):
+        return _StepCountingCapture(self, (max_num_seqs, max_num_batched_tokens))
+
+
+class _StepCountingCapture:
+    num_graphs = 4
+
+    def __init__(self, runner: _BackgroundGraphsRunner, limits: tuple[int, int]) -> None:
+        self.runner, self.limits = runner, limits
+        self.cancelled = threading.Event()
+
+    def run(self) -> None:
+        until = self.runner.steps + STEPS_DURING_CAPTURE
+        deadline = time.monotonic() + 60
+        while self.runner.steps < until:
+            if self.cancelled.is_set():
+                raise RuntimeError("cancelled")
+            if time.monotonic() > deadline:
+                raise RuntimeError("no steps ran during the capture")
+            time.sleep(0.01)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def install(self) -> None:
+        self.runner.limits = self.limits

@@ -1,7 +1,9 @@
 """The admin API through real HTTP servers: off unless asked for, on a port of its own,
 behind its own key; GET shows the live settings and what a change costs, POST applies one
 between engine steps (requests streaming meanwhile get exactly their tokens) or says why
-not; the settings gauges on /metrics follow."""
+not; a change that needs CUDA graphs answers once they are captured, steps going on
+meanwhile, and a second change meanwhile is refused; the settings gauges on /metrics
+follow."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import ServerThread
+from server_harness import ServerThread, engine_capturing_in_background
 
 from inference.server.cli_serve import add_serve_args, check_serve_args
 
@@ -118,6 +120,42 @@ def test_changes_under_load_keep_every_request_whole_and_relabel_the_gauges(serv
     server.wait_idle()
     stats = server.stats()
     assert stats.num_free_blocks == stats.num_total_blocks == 16
+
+
+def test_a_change_needing_graphs_answers_once_captured_while_requests_stream(tiny_model):
+    server = ServerThread(tiny_model, served_model_names=["tiny"], api_key=CLIENT_KEY,
+                          admin_api_key=ADMIN_KEY, engine_factory=engine_capturing_in_background,
+                          **ENGINE).start()  # fmt: skip
+    try:
+        url = _config_url(server)
+        prompts = [[(3 * i + j) % 300 + 3 for j in range(5 + 2 * i)] for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            want = list(pool.map(lambda p: _complete(server, p), prompts))
+        past_graphs = {"max_num_seqs": 16, "max_num_batched_tokens": 128}
+        with ThreadPoolExecutor(8) as pool:
+            first = pool.submit(httpx.post, url, headers=ADMIN, json=past_graphs, timeout=120)
+            # Idle, the engine runs no steps: the capture waits (it ends only after steps).
+            # A second change meanwhile is refused; one that lands first changes nothing.
+            while True:
+                assert not first.done(), first.result().text
+                second = httpx.post(url, headers=ADMIN, json={"max_num_seqs": 8}, timeout=30)
+                if second.status_code == 409:
+                    break
+                assert second.status_code == 200, second.text
+            assert "under way" in second.json()["error"]["message"]
+            settings = httpx.get(url, headers=ADMIN, timeout=10).json()["settings"]
+            assert settings["max_num_seqs"] == 8  # not yet in effect
+            running = [pool.submit(_complete, server, p) for p in prompts]
+            reply = first.result()
+            got = [future.result() for future in running]
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["status"] == "applied" and body["plan"]["background_graphs"] == 4
+        assert {k: body["settings"][k] for k in past_graphs} == past_graphs
+        assert body["seconds"] > 0  # the capture's time, seen by the caller
+        assert got == want  # the requests that stepped through the capture are whole
+    finally:
+        server.stop()
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

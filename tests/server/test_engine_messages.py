@@ -123,3 +123,39 @@ def test_llm_engine_has_what_the_core_drives(tiny_model):
         assert [name for name in sorted(members) if not hasattr(engine, name)] == []
     finally:
         engine.shutdown()
+
+
+def test_core_answers_a_change_once_its_graphs_are_ready_and_refuses_one_meanwhile(tiny_model):
+    """A change that waits for CUDA graphs is answered by the core only once in effect,
+    also while the engine is idle (no step runs); a second change meanwhile is answered at
+    once, refused."""
+
+    from server_harness import STEPS_DURING_CAPTURE, engine_capturing_in_background
+
+    from inference.engine_messages import Reconfigure, Reconfigured
+
+    received, sent = multiprocessing.Pipe(duplex=False)
+    core = EngineCore(EngineConfig.from_kwargs("unused"), commands=None, outputs=sent)
+    engine = engine_capturing_in_background(EngineConfig.from_kwargs(
+        tiny_model, device="cpu", num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=32,
+        max_model_len=64))  # fmt: skip
+    try:
+        raised = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
+        core._handle(engine, Reconfigure("first", raised))
+        assert core.live_change is not None and not received.poll()
+        core._handle(engine, Reconfigure("second", {"max_num_seqs": 1}))
+        [refused] = received.recv()
+        assert isinstance(refused, Reconfigured) and refused.token == "second"
+        assert refused.status == 409 and "under way" in refused.message
+        core._answer_live_change(engine)
+        assert not received.poll() and engine.scheduler.max_num_seqs == 2  # still capturing
+        engine.runner.steps += STEPS_DURING_CAPTURE  # as if steps had run: the capture ends
+        change = core.live_change[1]
+        assert change.wait_captured(60)
+        core._answer_live_change(engine)  # the idle core's poll
+        [applied] = received.recv()
+        assert applied.token == "first" and applied.status == 200 and applied.seconds > 0
+        assert applied.settings["max_num_seqs"] == 4 and core.live_change is None
+        assert engine.scheduler.max_num_seqs == 4
+    finally:
+        engine.shutdown()

@@ -3,6 +3,7 @@ the operator's own policy, and the committed results compare every approach side
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -131,30 +132,83 @@ def test_a_rollout_surges_or_stops_engines_as_spec_rollout_says() -> None:
 
 def test_a_live_change_restarts_no_engine_and_changes_one_at_a_time() -> None:
     """Engine knobs changed live (the admin API): the same engines throughout, each taking
-    the new value in turn; a raise past the captured graphs stalls each for the measured
-    capture, a lower batch for a step."""
+    the new value in turn; a raise past the captured graphs records the missing ones in the
+    background, each engine answering after their share of the measured capture and never
+    stalling; a lower batch costs a step."""
     model = engine_model("qwen2.5-7b")
     cluster = Cluster(model, 3, 256, 0.9, live=True)
     engines = list(cluster.replicas)
     cluster.desired[MAX_NUM_SEQS] = 512
+    # 256 -> 512: four decode batches, and the 13 mixed graphs past 256 tokens (more rows).
+    capture_s = model.capture_s * 17 / model.capture_graphs
+    assert model.capture_graphs == 42 and 4 < capture_s < model.capture_s / 2
     now = 0.0
     while not cluster.rollout_complete(now):
         cluster.rollout(now)
         cluster.tick(now, TICK_S)
         assert cluster.replicas == engines and sum(r.max_num_seqs == 512 for r in engines) <= (
-            now // model.capture_s + 1)  # one engine at a time
+            now // capture_s + 1)  # one engine at a time
         now += TICK_S
         assert now < 600
-    assert model.capture_s > 10 and now == pytest.approx(2 * model.capture_s, abs=2 * TICK_S)
-    assert cluster.live_stall_s == pytest.approx(3 * model.capture_s)
-    # Within the captured graphs: a step each, once the last engine's capture has answered.
+    assert now == pytest.approx(3 * capture_s, abs=4 * TICK_S)
+    assert cluster.live_stall_s == 0.0  # steps went on throughout
+    # Within the captured graphs: a step each.
     cluster.desired[MAX_NUM_SEQS] = 128
     stalled, began = cluster.live_stall_s, now
     while not cluster.rollout_complete(now):
         cluster.rollout(now)
         now += TICK_S
-        assert now - began < model.capture_s + 4 * TICK_S
+        assert now - began < 4 * TICK_S
     assert cluster.replicas == engines and cluster.live_stall_s - stalled < 0.1
+    # Back to 512: its graphs were recorded already.
+    cluster.desired[MAX_NUM_SEQS] = 512
+    began = now
+    while not cluster.rollout_complete(now):
+        cluster.rollout(now)
+        now += TICK_S
+        assert now - began < 4 * TICK_S
+
+
+def test_a_background_capture_serves_at_the_old_limits_a_resize_stalls() -> None:
+    model = engine_model("qwen2.5-7b")
+    replica = Replica(model, 64, 0.9, 0.0)
+    for _ in range(200):
+        replica.waiting.append(Request(0.0, 512, 4096))
+    now = 0.0
+    while len(replica.running) < 64:
+        replica.step(now, TICK_S)
+        now += TICK_S
+    twin = copy.deepcopy(replica)  # the same engine, with no change made
+    answer_s, stall_s = replica.retune(128, 0.9, now)
+    assert stall_s == 0.0 and answer_s == pytest.approx(
+        model.capture_s * 18 / model.capture_graphs)  # 96, 128 and the 16 mixed past 64
+    began, generated = now, (replica.stats.generated, twin.stats.generated)
+    while now < began + answer_s - 1e-9:
+        assert replica.capturing(now) and replica.max_num_seqs == 64
+        replica.step(now, TICK_S)
+        twin.step(now, TICK_S)
+        assert len(replica.running) == 64
+        now += TICK_S
+    # Steps went on, CAPTURE_SLOWDOWN slower than the same batch without a capture.
+    ratio = (replica.stats.generated - generated[0]) / (twin.stats.generated - generated[1])
+    assert ratio == pytest.approx(1 / engine.CAPTURE_SLOWDOWN, rel=0.05)
+    replica.step(now, TICK_S)
+    assert not replica.capturing(now) and replica.max_num_seqs == 128
+    assert len(replica.running) > 64
+    # A KV resize captures every graph again, the engine stalled meanwhile.
+    answer_s, stall_s = replica.retune(128, 0.85, now)
+    assert answer_s == stall_s == pytest.approx(model.capture_s * 30 / model.capture_graphs)
+    assert replica.gpu_memory_utilization == 0.85 and replica.backlog_s >= stall_s
+
+
+def test_the_simulators_graph_sizes_are_the_engines() -> None:
+    from inference.runner import cuda_graphs
+
+    assert engine.MIXED_GRAPH_TOKENS == cuda_graphs.MIXED_GRAPH_TOKENS
+    assert engine.DECODE_GRAPH_BATCHES == cuda_graphs.DECODE_GRAPH_BATCHES
+    have = engine._graph_shapes(256, 8192)
+    assert set(engine.graphs_to_capture(have, 512, 8192)) == set(
+        cuda_graphs.missing_shapes(have, 512, 8192))
 
 
 def test_the_queue_autoscaler_follows_the_hpa_algorithm() -> None:

@@ -3,9 +3,11 @@ pod, before the pod template is touched (see ``live_settings`` for why it need n
 
 Each engine pod that is Ready is sent ``POST /admin/engine-config`` on its admin port, by its
 address (no Service routes there), with the key of the Secret the operator made for it. The
-engine answers once the change is in effect (between two steps, after a CUDA-graph capture
-where one is needed) or says why it cannot take it (409: not live on this engine, e.g. a
-tensor-parallel one's larger batch; 422: a value it cannot run). The first pod that refuses
+engine answers once the change is in effect (between two steps, after the CUDA graphs it
+needs are captured: in the background while the engine serves on, or for a KV resize all of
+them, stalling it) or says why it cannot take it (409: not live on this engine, e.g. a
+tensor-parallel one's larger batch, or another change still under way; 422: a value it
+cannot run). The first pod that refuses
 or cannot be reached stops the round: the change then rolls out by restart, as before,
 and the pods that took it live restart with it. The operator never imports the engine:
 the admin API's setting names and answers are its whole contract (tests/test_settings_contract.py
@@ -110,7 +112,10 @@ async def apply_live(
             message = ((answer.get("error") or {}).get("message")) or f"HTTP {status}"
             return _refused(outcome, name, f"HTTP {status}: {message}")
         seconds = answer.get("seconds", 0.0)
-        capture = " with a graph capture" if (answer.get("plan") or {}).get("capture_needed") else ""
+        plan = answer.get("plan") or {}
+        capture = ((f" with {plan['background_graphs']} graphs captured in the background"
+                    if plan.get("background_graphs") else " with a graph capture")
+                   if plan.get("capture_needed") else "")  # fmt: skip
         outcome.pods.append(f"{name} in {seconds:.2f}s{capture}")
     return outcome
 

@@ -64,7 +64,7 @@ class Result:
     rollouts: int = 0  # changes of the Deployment (each one a rolling update or a scale)
     dropped: int = 0  # requests cut off mid-answer when a drain ran out
     live_changes: int = 0  # engine-knob changes made live (not counted in ``rollouts``)
-    live_stall_s: float = 0.0  # the engine time they took, all engines together
+    live_stall_s: float = 0.0  # the engine time they stalled, all engines together
 
     @property
     def attainment(self) -> float:
@@ -122,7 +122,7 @@ class Cluster:
         self.model = model
         self.max_surge, self.max_unavailable = max_surge, max_unavailable
         self.live = live
-        self.live_stall_s = 0.0  # engine time live changes took, all engines together
+        self.live_stall_s = 0.0  # engine time live changes stalled, all engines together
         self.live_busy_until = 0.0  # the engine being changed live answers then
         self.desired = {
             REPLICAS: replicas,
@@ -171,12 +171,14 @@ class Cluster:
     def rollout(self, now: float) -> None:
         if self.live and now >= self.live_busy_until:
             # The tuner posts the change to one engine after the other, each answering once
-            # it is in effect: one engine at a time stalls, none restarts.
-            behind = [r for r in self.active() if r.ready(now) and r.settings != self.target]
+            # it is in effect (after its graphs are captured, if it needs any): one engine
+            # at a time changes, none restarts.
+            behind = [r for r in self.active() if r.ready(now) and r.pending is None
+                      and r.settings != self.target]  # fmt: skip
             if behind:
-                stall = behind[0].retune(*self.target)
-                self.live_stall_s += stall
-                self.live_busy_until = now + stall
+                answer_s, stall_s = behind[0].retune(*self.target, now)
+                self.live_stall_s += stall_s
+                self.live_busy_until = now + answer_s
         self._roll_out(now)
 
     def _roll_out(self, now: float) -> None:

@@ -19,6 +19,17 @@ weights in the exact Qwen2.5 shapes), checked in beside this file as
 Not measured, so assumed: above a utilization of 0.95 (the highest the bench profiles) the
 activation peaks and CUDA graphs outside the profile no longer fit, and a replica there is
 OOM-killed within its first minutes under load. The traces' bounds stay at or below 0.95.
+
+A live change (``Replica.retune``) that raises the batch past the captured CUDA graphs
+records the missing graphs in the background, as the engine does
+(``inference/runner/cuda_graphs.py``, ``GraphExtension``): steps go on under the old limits
+and the new ones apply once the capture is done, after the measured start-up capture time
+scaled to the graphs recorded (``graphs_to_capture`` over the start-up's count; each
+counted at its start-up cost, warm-up run included, though the engine skips the warm-up of
+sizes whose token count already ran). Assumed, not measured: steps run 25 % slower
+meanwhile (``CAPTURE_SLOWDOWN``: the capture thread records from Python and shares the
+GIL with the step loop). A resized KV cache still captures every graph again while the
+engine stalls.
 """
 
 from __future__ import annotations
@@ -38,6 +49,36 @@ CLIENT_TIMEOUT_S = 30.0  # clients (and gateways) give up on a request not start
 POD_START_S = 20.0  # scheduling, image and container start before the engine starts
 WEIGHT_READ_BYTES_S = 2e9
 PARAMS = {"qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.62e9}  # weights read at start-up, bf16
+CAPTURE_SLOWDOWN = 1.25  # step times while graphs are recorded in the background (assumed)
+# The engine's graph sizes (``inference/runner/cuda_graphs.py``; the operator does not
+# import the engine, tests/tuning/test_simulator.py checks the copy).
+MIXED_GRAPH_TOKENS = (
+    16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
+    1792, 2048,
+)  # fmt: skip
+DECODE_GRAPH_BATCHES = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640,
+    768, 896, 1024,
+)  # fmt: skip
+
+
+def _graph_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> dict[tuple[str, int], int]:
+    """The engine's graphs under these limits: (kind, size) -> the rows each holds."""
+    batches = {b for b in DECODE_GRAPH_BATCHES if b <= max_num_seqs} | {max_num_seqs}
+    shapes = {("decode", b): b for b in batches}
+    return shapes | {("mixed", t): max_num_seqs + 1 for t in MIXED_GRAPH_TOKENS
+                     if t <= max_num_batched_tokens}  # fmt: skip
+
+
+def graphs_to_capture(have: dict[tuple[str, int], int], max_num_seqs: int,
+                      max_num_batched_tokens: int) -> dict[tuple[str, int], int]:  # fmt: skip
+    """The graphs the engine records for a raise to ``max_num_seqs`` (its
+    ``missing_shapes``): those it lacks, and mixed ones with too few rows for the
+    sequences a step of their size may now hold."""
+    want = _graph_shapes(max_num_seqs, max_num_batched_tokens)
+    return {shape: rows for shape, rows in want.items()
+            if have.get(shape, 0) < (rows if shape[0] == "decode" else
+                                     min(shape[1], max_num_seqs) + 1)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,9 +93,11 @@ class EngineModel:
     max_num_batched_tokens: int
     startup_s: float
     provisional: bool
-    # CUDA-graph capture at start-up (measured): what a live change that must capture again
-    # stalls the engine for (the engine captures every size again, ``inference.reconfigure``).
+    # CUDA-graph capture at start-up (measured), of ``capture_graphs`` graphs (the bench's
+    # limits): a live KV resize stalls the engine this long (every graph again), a raise
+    # past the captured batch records its missing graphs in the background for their share.
     capture_s: float = 0.0
+    capture_graphs: int = 1
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float) -> int:
         us, tokens = zip(*self.kv_rows)
@@ -102,6 +145,7 @@ def fit(name: str, measured: dict, provisional: bool = False) -> EngineModel:
         name, measured["kv_bytes_per_token"], kv_rows, decode, prefill, budget,
         POD_START_S + measured["startup_s"] + weights_s, provisional,
         float((measured.get("startup_phases") or {}).get("capture_s", 0.0)),
+        len(_graph_shapes(measured["max_num_seqs"], budget)),
     )  # fmt: skip
 
 
@@ -165,7 +209,9 @@ class Replica:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.capacity = model.kv_capacity_tokens(gpu_memory_utilization)
         self.ready_at = ready_at
-        self.captured_max_num_seqs = self.max_num_seqs  # the largest batch with a graph
+        self.graphs = _graph_shapes(self.max_num_seqs, model.max_num_batched_tokens)
+        # A live change waiting for its graphs: (max_num_seqs, utilization, in effect at).
+        self.pending: tuple[int, float, float] | None = None
         self.draining = False
         self.drain_deadline = float("inf")
         self.busy_s = 0.0
@@ -182,21 +228,40 @@ class Replica:
     def ready(self, now: float) -> bool:
         return now >= self.ready_at
 
-    def retune(self, max_num_seqs: int, gpu_memory_utilization: float) -> float:
-        """A live change (the admin API): the new limits from the next step, after a stall
-        of one step, or of a graph capture where the engine captures again (a batch past
-        the largest captured one, or a KV cache reallocated). Nothing is dropped: a cache
-        that shrinks under its sequences preempts the newest, as when it runs out. Returns
-        the stall."""
-        recapture = (max_num_seqs > self.captured_max_num_seqs
-                     or gpu_memory_utilization != self.gpu_memory_utilization)  # fmt: skip
-        stall = self.model.capture_s if recapture else self.model.decode_step_s(1, 0.0)
-        self.captured_max_num_seqs = max(self.captured_max_num_seqs, int(max_num_seqs))
-        self.max_num_seqs = int(max_num_seqs)
+    def retune(self, max_num_seqs: int, gpu_memory_utilization: float,
+               now: float) -> tuple[float, float]:  # fmt: skip
+        """A live change (the admin API). A KV cache reallocated captures every graph
+        again, stalling the engine for the whole capture; a batch past the captured graphs
+        records the missing ones in the background (steps go on under the old limits,
+        ``CAPTURE_SLOWDOWN`` slower) and applies at the first step after; anything else
+        costs a step. Nothing is dropped: a cache that shrinks under its sequences preempts
+        the newest, as when it runs out. Returns (seconds until it is in effect, when the
+        admin API answers; seconds the engine stalled)."""
+        model, max_num_seqs = self.model, int(max_num_seqs)
+        per_graph = model.capture_s / model.capture_graphs
+        if gpu_memory_utilization != self.gpu_memory_utilization:
+            self.graphs = _graph_shapes(max_num_seqs, model.max_num_batched_tokens)
+            stall = per_graph * len(self.graphs)
+        else:
+            missing = graphs_to_capture(self.graphs, max_num_seqs, model.max_num_batched_tokens)
+            if missing:
+                capture_s = per_graph * len(missing)
+                self.graphs = self.graphs | missing
+                self.pending = (max_num_seqs, gpu_memory_utilization, now + capture_s)
+                return capture_s, 0.0
+            stall = model.decode_step_s(1, 0.0)
+        self._set_limits(max_num_seqs, gpu_memory_utilization)
+        self.backlog_s += stall
+        return stall, stall
+
+    def _set_limits(self, max_num_seqs: int, gpu_memory_utilization: float) -> None:
+        self.max_num_seqs = max_num_seqs
         self.gpu_memory_utilization = gpu_memory_utilization
         self.capacity = self.model.kv_capacity_tokens(gpu_memory_utilization)
-        self.backlog_s += stall
-        return stall
+
+    def capturing(self, now: float) -> bool:
+        """Graphs are being recorded in the background (at the start of this tick)."""
+        return self.pending is not None and now < self.pending[2]
 
     @property
     def settings(self) -> tuple[int, float]:
@@ -210,13 +275,18 @@ class Replica:
     def step(self, now: float, dt: float) -> None:
         """Admits, prefills and decodes for one tick of ``dt`` seconds: each step holding a
         prompt chunk decodes the running batch too, the rest of the tick is decode steps."""
+        if self.pending is not None and now >= self.pending[2]:  # the graphs are ready
+            self._set_limits(*self.pending[:2])
+            self.pending = None
         self._abandon(now)
+        slowdown = CAPTURE_SLOWDOWN if self.capturing(now) else 1.0
         step_s = self.model.decode_step_s(len(self.running), float(self.context.sum()))
-        chunks, prefill_work = self._admit(now, dt, step_s)
-        work_s = self.backlog_s + prefill_work + chunks * step_s
+        chunks, prefill_work = self._admit(now, dt, step_s * slowdown, slowdown)
+        work_s = self.backlog_s + prefill_work + chunks * step_s * slowdown
         self.backlog_s = max(0.0, work_s - dt)
         if len(self.running):
             step_s = self.model.decode_step_s(len(self.running), float(self.context.sum()))
+            step_s *= slowdown
             self._decode(chunks + max(0.0, dt - work_s) / step_s, step_s)
             self._preempt_if_full()
             self.busy_s += dt
@@ -228,7 +298,8 @@ class Replica:
         self.stats.aborted += len(self.waiting) - len(kept)
         self.waiting = kept
 
-    def _admit(self, now: float, dt: float, step_s: float) -> tuple[int, float]:
+    def _admit(self, now: float, dt: float, step_s: float,
+               slowdown: float = 1.0) -> tuple[int, float]:  # fmt: skip
         """Admits from the head of the queue while this tick has time for their prefill
         (the engine schedules a prompt only into a step's token budget, so the rest stay
         waiting, as its metrics show); the number of prefill steps and their work."""
@@ -251,7 +322,7 @@ class Replica:
                     break
             self.waiting.popleft()
             tokens = request.prompt - reused
-            work_s += self.model.prefill_work_s(tokens, reused)
+            work_s += self.model.prefill_work_s(tokens, reused) * slowdown
             new_tokens += tokens
             used += needed
             if request.prefix >= 0:

@@ -9,8 +9,10 @@ shipped autoscaled GPU sample (``manifests/samples/llmdeployment-gpu-autoscaled.
 target), and the same sample
 with ``spec.rollout`` maxSurge 1 and maxUnavailable 0 (a knob change rolls out on a spare
 GPU, without taking an engine away), and the same sample with engine-knob changes made
-live (the engines' admin API, as the operator does in Auto: a change stalls one engine at a
-time for a step or a CUDA-graph capture, and restarts none). In each, side
+live (the engines' admin API, as the operator does in Auto: one engine at a time takes the
+change, after a step, or once the CUDA graphs a larger batch needs are captured in the
+background, steps going on meanwhile; a KV resize stalls it for a full capture; none
+restarts). In each, side
 by side from the same start with the same replica bounds, a look every 60 s and a
 Service's random spread:
 
@@ -130,16 +132,17 @@ SETUPS["gpu-sample-surge"] = dataclasses.replace(
     max_unavailable=0,
 )
 # The same sample with engine-knob changes made live (the admin API, as the operator does
-# in Auto): a change stalls each engine for a step, or for a CUDA-graph capture (measured
-# at start-up: 14.5 s) where it raises the batch past the captured graphs or resizes the
-# KV cache; no engine restarts and none leaves service.
+# in Auto): a batch raised past the captured graphs waits for the missing ones, captured
+# in the background while the engine steps on under the old limits (their share of the
+# 14.5 s measured at start-up); a KV resize stalls the engine for a full capture, anything
+# else for a step; no engine restarts and none leaves service.
 SETUPS["gpu-sample-live"] = dataclasses.replace(
     SETUPS["gpu-sample"],
     name="gpu-sample-live",
     description=SETUPS["gpu-sample"].description.replace(
         "the shipped GPU sample: ",
-        "the shipped GPU sample with engine-knob changes made live (the admin API: a step's "
-        "or a graph capture's stall, no restart): ",
+        "the shipped GPU sample with engine-knob changes made live (the admin API: graphs "
+        "for a larger batch captured in the background, no restart): ",
     ),
     live=True,
 )

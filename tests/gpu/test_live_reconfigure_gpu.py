@@ -1,0 +1,132 @@
+"""On a GPU, a live raise of ``max_num_seqs`` past the captured CUDA graphs records only the
+missing graphs, on a thread of its own, while the engine keeps stepping under the old limit
+(``inference.reconfigure``, ``GraphExtension``); it takes effect at the first step after,
+the graphs already captured stay in use, and every request gets the greedy tokens it gets
+from an engine that never changed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tiny_models import build_tiny_model
+
+from inference.config import EngineConfig
+from inference.llm_engine import LLMEngine
+from inference.runner.cuda_graphs import GraphExtension
+from inference.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 suite)"),
+]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+PROMPTS = [[(11 * i + j) % 400 + 3 for j in range(6 + 5 * i)] for i in range(16)]
+STEPS_BEFORE_RECORDING = 5  # the capture thread waits for these before it records
+DEADLINE_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-live-gpu")
+    build_tiny_model(path, "llama", head_dim=64, hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, qk_scale=2.0)  # fmt: skip
+    return str(path)
+
+
+def _engine(folder: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(folder, device="cuda", max_model_len=512, num_kv_blocks=512,
+                                  max_num_seqs=4, max_num_batched_tokens=256, seed=0))  # fmt: skip
+
+
+def _add(engine: LLMEngine) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+
+
+def _collect(outputs: dict[str, list[int]], step_outputs) -> None:
+    for out in step_outputs:
+        outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def test_a_raise_past_the_graphs_captures_in_the_background_and_keeps_the_tokens(
+    folder, monkeypatch
+):
+    reference = _engine(folder)
+    _add(reference)
+    want: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        _collect(want, reference.step())
+    reference.shutdown()
+
+    steps = [0]
+    recording: dict[str, int] = {}
+    record = GraphExtension.record
+
+    def record_after_some_steps(extension: GraphExtension) -> None:
+        # Proof that steps run while the capture thread lives: it records only after the
+        # engine has stepped STEPS_BEFORE_RECORDING times since the change began.
+        until, deadline = steps[0] + STEPS_BEFORE_RECORDING, time.monotonic() + DEADLINE_S
+        while steps[0] < until:
+            assert time.monotonic() < deadline, "no steps ran during the capture"
+            time.sleep(0.001)
+        recording["start"] = steps[0]
+        record(extension)
+        recording["end"] = steps[0]
+        recording["thread"] = threading.get_ident()
+
+    monkeypatch.setattr(GraphExtension, "record", record_after_some_steps)
+    engine = _engine(folder)
+    runner = engine.runner
+    kept = runner.graphs.graphs[("decode", 4)].graph
+    assert runner.graph_limits()[0] == 4
+    _add(engine)
+    got: dict[str, list[int]] = {}
+    for _ in range(3):
+        _collect(got, engine.step())
+    change = engine.begin_reconfigure({"max_num_seqs": 16})
+    assert not change.done and change.plan.background_graphs > 0
+    deadline = time.monotonic() + DEADLINE_S
+    while not change.done:
+        assert time.monotonic() < deadline, "the change never took effect"
+        assert engine.scheduler.max_num_seqs == 4 or change.done
+        assert len(engine.scheduler.running) <= 4 or change.done
+        _collect(got, engine.step())
+        steps[0] += 1
+    plan, seconds = change.result()
+    assert recording["thread"] != threading.get_ident() and seconds > 0
+    assert recording["start"] >= STEPS_BEFORE_RECORDING  # steps went on during the capture
+    assert engine.scheduler.max_num_seqs == 16 and runner.graph_limits()[0] == 16
+    assert runner.graphs.graphs[("decode", 4)].graph is kept  # not captured again
+    assert runner.graphs.graphs[("mixed", 256)].rows == 17  # room for 16 sequences
+    peak = 0
+    while engine.has_unfinished_requests():
+        peak = max(peak, len(engine.scheduler.running))
+        _collect(got, engine.step())
+    assert peak > 4  # the raised limit was used, through the new graphs
+    assert got == want
+    engine.shutdown()
+
+
+def test_a_shutdown_during_a_background_capture_returns(folder, monkeypatch):
+    release = threading.Event()
+    record = GraphExtension.record
+
+    def record_when_released(extension: GraphExtension) -> None:
+        release.wait(DEADLINE_S)
+        record(extension)
+
+    monkeypatch.setattr(GraphExtension, "record", record_when_released)
+    engine = _engine(folder)
+    _add(engine)
+    engine.step()
+    change = engine.begin_reconfigure({"max_num_seqs": 16})
+    assert not change.done
+    threading.Timer(0.5, release.set).start()  # it records, and stops at the first graph
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < DEADLINE_S / 2
+    assert not change.done
