@@ -23,8 +23,9 @@ remembers how many leading positions hold the head's KV:
   the target's feature;
 - a preemption (``Sequence.num_preemptions`` moved) frees the blocks: back to nothing;
 - positions the target did not compute (a prefix-cache hit) have no feature here: the
-  head's KV there is what the sequence that filled those blocks wrote, as in vLLM. A draft
-  is only ever a proposal, so this can cost acceptance, never correctness.
+  head's KV there is what the sequence that filled those blocks wrote (vLLM also has the
+  target recompute the last cached block, so that its head rewrites that block; not done
+  here). A draft is only ever a proposal: this can cost acceptance, never correctness.
 
 Drafts are the head's argmax; the target's rejection sampler treats them as point masses
 (``inference.spec_decode.rejection``), which keeps the target's distribution exactly.
