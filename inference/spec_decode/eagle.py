@@ -183,9 +183,9 @@ class EagleProposer:
             seq.draft_token_ids[0] = token
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
             # Rows (of ``seqs``) still drafting: the budget may have trimmed the others.
-            rows = torch.tensor([i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j],
-                                device=self.device)  # fmt: skip
-            chosen = [seqs[i] for i in rows.tolist()]
+            indices = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+            rows = torch.tensor(indices, device=self.device)
+            chosen = [seqs[i] for i in indices]
             step = self._forward(
                 chosen, [[s.draft_token_ids[j - 1]] for s in chosen],
                 [s.num_tokens - 2 + j for s in chosen], outputs[rows],
