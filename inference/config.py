@@ -131,7 +131,9 @@ class EngineConfig:
             'speculative decoding, a JSON object as vLLM\'s: \'{"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
             "(n-gram prompt lookup), or '{\"method\": \"draft_model\", \"model\": PATH, "
-            "\"num_speculative_tokens\": 4}' (a draft model sharing the target's tokenizer); "
+            "\"num_speculative_tokens\": 4}' (a draft model sharing the target's tokenizer), "
+            "or '{\"method\": \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 3}' (an "
+            "EAGLE-1/2 head trained for the target); "
             "optional disable_by_batch_size, default 32: no drafts in steps with more "
             "running sequences"))
     # Multi-LoRA (vLLM's flags): adapters are named per request (LoRARequest, the HTTP

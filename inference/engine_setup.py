@@ -27,6 +27,7 @@ from inference.output_processor import OutputProcessor
 from inference.runner.model_runner import ModelRunner
 from inference.scheduler import Scheduler
 from inference.spec_decode.draft_model import DraftModelProposer
+from inference.spec_decode.eagle import EagleProposer
 from inference.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,9 @@ class EngineParts:
     scheduler: Scheduler
     output_processor: OutputProcessor
     grammars: GrammarCompiler
-    # Speculative decoding with a draft model: the draft, its KV cache sized beside the
-    # target's (None: no speculation, or n-gram lookup).
-    draft: DraftModelProposer | None = None
+    # Speculative decoding with a draft model or an EAGLE head: the proposer, its KV cache
+    # sized beside the target's (None: no speculation, or n-gram lookup).
+    draft: DraftModelProposer | EagleProposer | None = None
 
 
 def resolve_engine_config(config: EngineConfig) -> tuple[ResolvedEngineConfig, Path, ModelConfig]:
@@ -79,6 +80,11 @@ def build_engine(
         torch.manual_seed(config.seed)
     runner = make_runner(config, model_config, str(model_path))
     try:
+        if speculative is not None and speculative.method == "eagle":
+            # The head reads the target's embedding and LM head: loaded after the target,
+            # before profiling (which then counts its weights). One device (TP is refused).
+            assert isinstance(runner, ModelRunner)
+            draft = EagleProposer(config, model_config, speculative, runner.model)
         num_blocks, startup_phases = size_kv_cache(runner, config, draft)
     except BaseException:
         runner.close()
@@ -111,12 +117,12 @@ def build_engine(
 
 def size_kv_cache(
     runner: ModelExecutor, config: ResolvedEngineConfig,
-    draft: DraftModelProposer | None = None,
+    draft: DraftModelProposer | EagleProposer | None = None,
 ) -> tuple[int, dict[str, float]]:
     """Profile, allocate the KV cache and capture graphs; returns the block count and the
-    seconds of each start-up phase. A draft model's cache has as many blocks as the
-    target's (the target's block ids index both): the budget profiled for the target's
-    blocks is shared out by the two models' bytes per block."""
+    seconds of each start-up phase. A draft model's (or EAGLE head's) cache has as many
+    blocks as the target's (the target's block ids index both): the budget profiled for the
+    target's blocks is shared out by the two models' bytes per block."""
     t0 = time.perf_counter()
     num_blocks = runner.determine_num_blocks()
     if draft is not None and config.num_kv_blocks is None:

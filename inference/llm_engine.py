@@ -347,6 +347,8 @@ class LLMEngine:
                 [sampled_seqs[row].grammar for row in constrained],
             )  # fmt: skip
         handle = self.runner.launch(seqs, counts, sample_rows, sampling)
+        if handle.hidden_states is not None:  # EAGLE: the head reads the target's features
+            self.spec_decoder.observe(seqs, counts, handle.hidden_states)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         positions = self.scheduler.on_step_launched(batch, now)
         # A step that verifies drafts completes before the next is scheduled: how many

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine_setup", "inference.generation_defaults", "inference.chat_templates",
      "inference.reconfigure"),  # live setting changes: scheduler, KV cache, graphs
     ("inference.executor",),  # the ModelExecutor protocol; tensor-parallel workers
+    ("inference.spec_decode.eagle",),  # an EAGLE head fed the target's hidden states
     ("inference.spec_decode.draft_model",),  # a draft model beside the target's runner
     ("inference.runner",),  # the model in this process: inputs, CUDA graphs, forward
     ("inference.lora",),  # LoRA adapters: files, device slots, the engine's registry

@@ -200,6 +200,8 @@ def test_quantization_reaches_the_engine_and_bad_values_are_refused() -> None:
      SpeculativeConfig("ngram", 3, 5, 5, disable_by_batch_size=8)),
     ({"method": "draft_model", "numSpeculativeTokens": 5, "draftModel": "/models/draft"},
      SpeculativeConfig("draft_model", 5, model="/models/draft")),
+    ({"method": "eagle", "numSpeculativeTokens": 3, "draftModel": "/models/eagle-head"},
+     SpeculativeConfig("eagle", 3, model="/models/eagle-head")),
 ])
 def test_speculative_reaches_the_engine_as_asked(speculative, expected) -> None:
     args = deployment_args({"speculative": speculative})
@@ -226,7 +228,11 @@ def test_speculative_methods_and_refusals_are_the_engines() -> None:
     assert "not delivered yet" in message and "absolute path" in message
     assert errors({"speculative": draft}) == [
         "spec.engine.speculative.draftModel: required with method draft_model"]
-    assert errors({"speculative": {"method": "eagle", "numSpeculativeTokens": 4}})
+    eagle = {"method": "eagle", "numSpeculativeTokens": 3}
+    assert errors({"speculative": {**eagle, "draftModel": "/models/eagle-head"}}) == []
+    assert errors({"speculative": eagle}) == [
+        "spec.engine.speculative.draftModel: required with method eagle"]
+    assert errors({"speculative": {"method": "eagle3", "numSpeculativeTokens": 4}})
     assert errors({"tensorParallelSize": 2, "speculative": {
         "method": "ngram", "numSpeculativeTokens": 4}}) == [
         "spec.engine.speculative: speculative decoding runs with tensorParallelSize 1 only"]

@@ -69,11 +69,11 @@ def test_verify_rows_cover_each_rows_drafts_and_the_one_after():
 
 
 @pytest.mark.parametrize("given, message", [
-    ({"method": "eagle", "num_speculative_tokens": 3},
-     "not supported yet; supported: ['ngram', 'draft_model']"),
-    ({"method": "eagle3", "model": "heads"}, "'eagle3' is not supported yet"),
-    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 3},
-     "'eagle' is not supported yet"),  # vLLM reads the method from the name
+    ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' needs model: the EAGLE head"),
+    ({"method": "eagle3", "model": "heads"},
+     "'eagle3' is not supported yet; supported: ['ngram', 'draft_model', 'eagle']"),
+    ({"method": "eagle", "model": "h", "num_speculative_tokens": 3,
+      "draft_tensor_parallel_size": 2}, "the eagle proposer runs on the target's one GPU"),
     ({"method": "mtp"}, "not supported yet"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3,
@@ -105,6 +105,12 @@ def test_draft_model_configs_as_vllm_spells_them():
     old_ngram = {"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     assert parse_speculative_config(old_ngram).method == "ngram"
     assert "model" in old_ngram  # the caller's dict is left as given
+    # An EAGLE head: by method, or (vLLM's reading) by a model named for it.
+    spec = parse_speculative_config(
+        '{"method": "eagle", "model": "/m/head", "num_speculative_tokens": 3}')
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle", "/m/head", 3)
+    named = {"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 3}
+    assert parse_speculative_config(named).method == "eagle"
 
 
 def test_config_defaults_and_refusals():

@@ -163,3 +163,61 @@ def build_successor_model(
         model.lm_head.weight.copy_(head)
     model.save_pretrained(folder)
     return tokenizer, model
+
+
+def build_eagle_head(
+    folder: Path, target_folder: Path, seed: int = 0, qk_scale: float = 1.0,
+    fc: torch.Tensor | None = None, fc_bias: bool = True, zero_outputs: bool = False,
+    embed_copy: bool = True, bin_format: bool = False, num_layers: int = 1,
+) -> dict[str, torch.Tensor]:
+    """An EAGLE-1/2 head for the target in ``target_folder``, written in the layout the
+    EAGLE authors publish: its config.json (the target's, with ``num_layers`` layers) and
+    weights ``fc.weight`` (H x 2H), ``fc.bias``, ``layers.N.*`` without layer 0's
+    ``input_layernorm``, a copy of the target's ``embed_tokens.weight`` (``embed_copy``);
+    safetensors, or ``pytorch_model.bin`` as published (``bin_format``). ``qk_scale``
+    sharpens attention (so that a wrong KV position shows); ``fc`` replaces the random
+    fusion; ``zero_outputs`` zeroes o_proj and down_proj (the layer passes its input
+    through). Returns the tensors (names as saved)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder, target_folder = Path(folder), Path(target_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target_folder / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(config))
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    tensors = {"fc.weight": rand(hidden, 2 * hidden, std=(2 * hidden) ** -0.5) if fc is None
+               else fc.clone()}  # fmt: skip
+    if fc_bias:
+        tensors["fc.bias"] = rand(hidden, std=0.1)
+    out_std = 0.0 if zero_outputs else 0.3
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        if i > 0:
+            tensors[p + "input_layernorm.weight"] = 1 + rand(hidden, std=0.1)
+        tensors[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, std=0.1)
+        tensors[p + "self_attn.q_proj.weight"] = rand(heads * dim, hidden, std=0.2 * qk_scale)
+        tensors[p + "self_attn.k_proj.weight"] = rand(kv_heads * dim, hidden, std=0.2 * qk_scale)
+        tensors[p + "self_attn.v_proj.weight"] = rand(kv_heads * dim, hidden, std=0.2)
+        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * dim, std=out_std)
+        tensors[p + "mlp.gate_proj.weight"] = rand(inter, hidden, std=0.2)
+        tensors[p + "mlp.up_proj.weight"] = rand(inter, hidden, std=0.2)
+        tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter, std=out_std)
+    if embed_copy:
+        (weights,) = target_folder.glob("*.safetensors")
+        tensors["embed_tokens.weight"] = load_file(weights)["model.embed_tokens.weight"]
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    if bin_format:
+        torch.save(tensors, folder / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return tensors

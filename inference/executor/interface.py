@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from inference.lora.request import LoRARequest
 from inference.sampler import SamplerOutput, SamplingMetadata
 from inference.sequence import Sequence
@@ -22,7 +24,11 @@ from inference.sequence import Sequence
 class PendingStep(Protocol):
     """A launched step. ``result()`` waits for its sampled tokens and prompt logprobs
     (None: the step sampled nothing and scored no prompt); the host may do other work
-    between launching a step and asking for its result."""
+    between launching a step and asking for its result. ``hidden_states``: the target's
+    final hidden states of the step's tokens where the executor keeps them (one device,
+    EAGLE), valid until the next launch; else None."""
+
+    hidden_states: torch.Tensor | None
 
     def result(self) -> SamplerOutput | None: ...
 

@@ -322,9 +322,11 @@ class MultiprocExecutor:
 
 
 class _StepHandle:
-    """A launched step; ``result()`` waits for rank 0's sampled tokens."""
+    """A launched step; ``result()`` waits for rank 0's sampled tokens. The hidden states
+    stay in the workers (speculative decoding runs on one GPU)."""
 
     __slots__ = ("_executor", "_index")
+    hidden_states = None
 
     def __init__(self, executor: MultiprocExecutor, index: int) -> None:
         self._executor, self._index = executor, index

@@ -73,8 +73,10 @@ def _empty(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, parallel: ParallelContext = SINGLE,
-        quantization: str | None = None,
+        quantization: str | None = None, input_norm: bool = True,
     ) -> None:  # fmt: skip
+        """``input_norm=False``: the layer reads its input as it is (an EAGLE head's first
+        layer, ``inference.models.eagle``)."""
         super().__init__()
         self.parallel = parallel
         world = parallel.world_size
@@ -86,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         intermediate = cfg.intermediate_size // world
-        self.input_norm = _empty(cfg.hidden_size)
+        self.input_norm = _empty(cfg.hidden_size) if input_norm else None
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.q_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
@@ -133,7 +135,8 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual = hidden
             norm = kernels.rms_norm_fp8 if fp8_qkv else kernels.rms_norm
-            normed = norm(hidden, self.input_norm, self.eps)
+            normed = (hidden if self.input_norm is None
+                      else norm(hidden, self.input_norm, self.eps))  # fmt: skip
         else:
             add_norm = kernels.fused_add_rms_norm_fp8 if fp8_qkv else kernels.fused_add_rms_norm
             normed, residual = add_norm(hidden, residual, self.input_norm, self.eps)

@@ -77,6 +77,10 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - start
         self.sampler = Sampler()
+        # EAGLE drafts from the target's hidden states: each step hands them out
+        # (``StepHandle.hidden_states``); otherwise a step keeps no reference to them.
+        speculative = config.speculative()
+        self.keep_hidden_states = speculative is not None and speculative.method == "eagle"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
@@ -395,8 +399,9 @@ class ModelRunner:
                 self.model.compute_logits, hidden, inputs.query_start_loc,
                 sampling.prompt_logprobs,
             )  # fmt: skip
+        kept = hidden if self.keep_hidden_states else None
         if not sample_rows:
-            return StepHandle(None, prompt_logprobs)
+            return StepHandle(None, prompt_logprobs, kept)
         last_rows = inputs.query_start_loc[1:][sample_rows] - 1
         if verifying:  # every position of each row's drafts, and the one after them
             num_drafts = np.fromiter(map(len, sampling.draft_token_ids), np.int64)
@@ -414,7 +419,7 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, sampling)
         if not verifying:  # a verifying step completes before the next is built
             self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
-        return StepHandle(sampled.start_copy_to_host(), prompt_logprobs)
+        return StepHandle(sampled.start_copy_to_host(), prompt_logprobs, kept)
 
 
 class BackgroundGraphs:
@@ -441,11 +446,18 @@ class BackgroundGraphs:
 
 class StepHandle:
     """A launched step; ``result()`` waits for its sampled tokens and prompt logprobs
-    (None: nothing sampled and no prompt logprobs asked for)."""
+    (None: nothing sampled and no prompt logprobs asked for). ``hidden_states``: the
+    model's final hidden states (after the final norm: what the LM head reads), one row
+    per token of the step in input order, where the runner keeps them (EAGLE); a graph's
+    buffer, so valid until the next step is launched."""
 
-    def __init__(self, sampled: SampledTokens | None, prompt_logprobs=None) -> None:
+    def __init__(
+        self, sampled: SampledTokens | None, prompt_logprobs=None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> None:
         self._sampled = sampled
         self._prompt_logprobs = prompt_logprobs
+        self.hidden_states = hidden_states
 
     def result(self) -> SamplerOutput | None:
         if self._sampled is None and not self._prompt_logprobs:

@@ -8,6 +8,8 @@ sampling: in distribution, by rejection sampling).
 
 - ``config``: ``speculative_config`` as vLLM spells it, parsed and checked.
 - ``ngram``: the n-gram prompt-lookup proposer.
+- ``draft_model``: a smaller model's greedy guesses; ``eagle``: an EAGLE head's, fed the
+  target's hidden states (both with a KV cache mirroring the target's blocks).
 - ``rejection``: the device side of verification (which hidden rows to score; the
   rejection sampler), used by the runner and the sampler.
 - ``drafting``: the engine side (who drafts this step, acceptance tracking, counters,

@@ -3,9 +3,11 @@
 ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
 "prompt_lookup_max": 4, "prompt_lookup_min": 2}'`` (or the same dict in
 ``LLM(speculative_config=...)``), or ``{"method": "draft_model", "model": PATH,
-"num_speculative_tokens": 4}`` (a smaller model sharing the target's tokenizer). The other
-methods vLLM knows (EAGLE, MTP, ...) are refused by name, so a vLLM command line fails with
-a sentence instead of running without the heads it asked for.
+"num_speculative_tokens": 4}`` (a smaller model sharing the target's tokenizer), or
+``{"method": "eagle", "model": PATH, "num_speculative_tokens": 3}`` (an EAGLE-1/2 head fed
+the target's hidden states, ``inference.spec_decode.eagle``). The other methods vLLM knows
+(EAGLE-3, MTP, ...) are refused by name, so a vLLM command line fails with a sentence
+instead of running without the heads it asked for.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+# The methods whose proposer is a model with its own KV cache (the rest: n-gram lookup).
+MODEL_METHODS = ("draft_model", "eagle")
 # Known to vLLM, not built here (yet).
-UNBUILT_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+UNBUILT_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 # Above this many running sequences a step does not speculate: verifying k drafts per row
 # multiplies the step's tokens by up to k + 1, which pays at small batches (memory-bound
 # decode) and costs at large ones (compute-bound). Conservative until measured on the
@@ -31,11 +35,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0  # n-gram only
     prompt_lookup_min: int = 0
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    model: str | None = None  # draft_model: the draft's folder (or hub id), as the target's
+    # draft_model: the draft's folder (or hub id), as the target's; eagle: the head's.
+    model: str | None = None
 
     def summary(self) -> str:
         how = (f"n-gram {self.prompt_lookup_min}..{self.prompt_lookup_max}"
-               if self.method == "ngram" else f"draft {self.model}")
+               if self.method == "ngram" else f"{self.method} {self.model}")
         return (f"{self.method}: k={self.num_speculative_tokens}, {how}, off above batch "
                 f"{self.disable_by_batch_size}")
 
@@ -45,6 +50,7 @@ _KEYS = {
     "ngram": (*_COMMON_KEYS, "prompt_lookup_max", "prompt_lookup_min"),
     # draft_tensor_parallel_size: vLLM's key; only 1 (the draft runs beside the target).
     "draft_model": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
+    "eagle": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
 }
 
 
@@ -70,9 +76,9 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
                          f"method {method!r}; known: {list(_KEYS[method])}")
     k = _positive_int(value, "num_speculative_tokens", None)
     batch = _positive_int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-    if method == "draft_model":
+    if method in MODEL_METHODS:
         return SpeculativeConfig(method, k, disable_by_batch_size=batch,
-                                 model=_draft_model(value))
+                                 model=_draft_model(method, value))
     # As vLLM: one bound given stands for both; neither, 5.
     lookup_min = value.get("prompt_lookup_min", value.get("prompt_lookup_max", 5))
     lookup_max = value.get("prompt_lookup_max", lookup_min)
@@ -102,15 +108,17 @@ def _method(value: dict[str, Any]) -> str:
     return method
 
 
-def _draft_model(value: dict[str, Any]) -> str:
+def _draft_model(method: str, value: dict[str, Any]) -> str:
     model = value.get("model")
     if not isinstance(model, str) or not model:
-        raise ValueError("speculative_config method 'draft_model' needs model: the draft "
-                         "model's folder (or hub id), sharing the target's tokenizer")
+        what = ("the EAGLE head's folder (or hub id), trained for the target" if method ==
+                "eagle" else "the draft model's folder (or hub id), sharing the target's "
+                "tokenizer")  # fmt: skip
+        raise ValueError(f"speculative_config method {method!r} needs model: {what}")
     draft_tp = value.get("draft_tensor_parallel_size", 1)
     if draft_tp != 1:
         raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r} is not "
-                         "supported: the draft model runs on the target's one GPU (1)")
+                         f"supported: the {method} proposer runs on the target's one GPU (1)")
     return model
 
 

@@ -131,6 +131,12 @@ class DraftModelProposer:
     def close(self) -> None:
         self.runner.close()
 
+    def observe(
+        self, seqs: list[Sequence], num_new_tokens: list[int], hidden_states: torch.Tensor
+    ) -> None:
+        """The target's hidden states: a draft model reads tokens only (never called: the
+        runner hands hidden states out for EAGLE)."""
+
     def propose(self, seqs: list[Sequence]) -> None:
         """Overwrite each sequence's ``draft_token_ids`` (all known tokens; its KV slots
         allocated for them by this step's schedule) with the draft model's greedy guesses."""
@@ -190,7 +196,7 @@ class DraftModelProposer:
     ) -> list[int]:
         """One draft forward: ``chunks[i]`` at positions from ``starts[i]`` of ``seqs[i]``;
         the argmax after the last token of each sequence in ``sample``."""
-        inputs = _step_inputs(seqs, chunks, starts, self.block_size)
+        inputs = chunk_step_inputs(seqs, chunks, starts, self.block_size)
         hidden = self.runner.run_model(inputs)
         if not sample:
             return []
@@ -201,7 +207,7 @@ class DraftModelProposer:
         return logits[:, : self.num_proposable].argmax(dim=-1).tolist()
 
 
-def _step_inputs(
+def chunk_step_inputs(
     seqs: list[Sequence], chunks: list[list[int]], starts: list[int], block_size: int
 ) -> StepInputs:
     counts = np.fromiter(map(len, chunks), np.int64, len(chunks))

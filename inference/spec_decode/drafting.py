@@ -26,9 +26,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from inference.sampler import SamplerOutput
 from inference.sequence import Sequence, SequenceStatus
-from inference.spec_decode.config import SpeculativeConfig
+from inference.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from inference.spec_decode.ngram import NgramProposer, TokenHistory
 
 _MAX_FAILED_STEPS = 3
@@ -69,18 +71,26 @@ class VerifiedTokens:
 
 
 class DraftProposer(Protocol):
-    """A proposer that runs a model (``inference.spec_decode.draft_model``): it needs the
-    step's KV slots, so it fills drafts after the schedule reserved them."""
+    """A proposer that runs a model (``inference.spec_decode.draft_model``, ``eagle``): it
+    needs the step's KV slots, so it fills drafts after the schedule reserved them."""
 
     def propose(self, seqs: list[Sequence]) -> None: ...
+
+    def observe(
+        self, seqs: list[Sequence], num_new_tokens: list[int], hidden_states: torch.Tensor
+    ) -> None:
+        """A step was launched: the target's hidden states of its tokens (EAGLE reads
+        them; a draft model reads tokens only)."""
+        ...
 
     def close(self) -> None: ...
 
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
-        """``draft``: the draft model of ``method="draft_model"`` (None for n-gram)."""
-        if (config.method == "draft_model") != (draft is not None):
+        """``draft``: the model of ``method="draft_model"`` or ``"eagle"`` (None for
+        n-gram)."""
+        if (config.method in MODEL_METHODS) != (draft is not None):
             raise ValueError(f"speculative method {config.method!r} with draft {draft!r}")
         self.config = config
         self.draft = draft
@@ -130,6 +140,14 @@ class SpecDecoder:
         budget): the draft model's guesses in place of the placeholders."""
         if self.draft is not None:
             self.draft.propose(scheduled)
+
+    def observe(
+        self, seqs: list[Sequence], num_new_tokens: list[int], hidden_states: torch.Tensor
+    ) -> None:
+        """A launched step's hidden states, for a proposer that drafts from them (the
+        runner hands them out for EAGLE only)."""
+        if self.draft is not None:
+            self.draft.observe(seqs, num_new_tokens, hidden_states)
 
     def close(self) -> None:
         if self.draft is not None:

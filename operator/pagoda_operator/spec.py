@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # The engine's --quantization choices (tests/test_settings_contract.py keeps them equal).
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 # The engine's speculative_config methods (tests/test_settings_contract.py keeps them equal).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
@@ -306,16 +306,17 @@ def _speculative_errors(engine: dict[str, Any]) -> list[str]:
     elif None not in lookup and lookup[0] > lookup[1]:
         errors.append(f"{where}: promptLookupMin must be <= promptLookupMax")
     draft = speculative.get("draftModel")
-    if method == "draft_model":
-        errors += _draft_model_errors(where, draft)
+    if method in ("draft_model", "eagle"):
+        errors += _draft_model_errors(where, method, draft)
     elif draft is not None:
-        errors.append(f"{where}.draftModel: goes with method draft_model")
+        errors.append(f"{where}.draftModel: goes with methods draft_model and eagle")
     return errors
 
 
-def _draft_model_errors(where: str, draft: Any) -> list[str]:
+def _draft_model_errors(where: str, method: str, draft: Any) -> list[str]:
+    """The draft model's folder, or the EAGLE head's: delivered the same way."""
     if not draft:
-        return [f"{where}.draftModel: required with method draft_model"]
+        return [f"{where}.draftModel: required with method {method}"]
     if "://" in str(draft):
         # The loader Job delivers one source (spec.model.source); a draft fetched the same
         # way needs a second folder in the cache, not built yet.

@@ -4,7 +4,9 @@ CUDA graphs for the plain steps, async scheduling on and off, chunked prefill an
 preemption. Over rows of the differential matrix, with prompts that repeat themselves (so
 the n-gram finds drafts) and seeded sampling rows, every token's logprob equals
 transformers' float32 forward teacher-forced on the engine's tokens, and greedy tokens are
-the reference's argmax."""
+the reference's argmax. EAGLE heads (a head that predicts the cycling model's successors; a
+random sharp head on a random target) give the plain engine's greedy output too, with the
+target's decode steps in CUDA graphs handing their hidden states to the head."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from differential import Reference, Req, Workload, compare, setting_id
 from gpu_matrix import FP32_TOL, GPU_MATRIX, run_matrix_row
-from tiny_models import build_successor_model
+from tiny_models import build_eagle_head, build_successor_model, build_tiny_model
 
 from inference import LLM, SamplingParams
 
@@ -131,3 +133,49 @@ def test_matrix_draft_model_fp32(models, tmp_path, index, draft):
     print("\n" + context)
     assert report.max_abs_diff <= FP32_TOL, context
     assert report.argmax_mismatches == 0, context
+
+
+# -- eagle: a head that predicts the cycling model's successors (drafts accepted), and a
+# random head on a random target (mostly rejected); greedy output as without speculation.
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory, cycling):
+    folder, _ = cycling
+    cycling_head = tmp_path_factory.mktemp("eagle-cycling-head")
+    build_eagle_head(cycling_head, folder, fc_bias=False, zero_outputs=True,
+                     fc=torch.cat([torch.eye(64), torch.zeros(64, 64)], dim=1))
+    target = tmp_path_factory.mktemp("eagle-random-target")
+    build_tiny_model(target, "llama", qk_scale=2.0)
+    random_head = tmp_path_factory.mktemp("eagle-random-head")
+    build_eagle_head(random_head, target, seed=5, qk_scale=3.0)
+    return {"cycling": (folder, str(cycling_head)), "random": (str(target), str(random_head))}
+
+
+@pytest.mark.parametrize("pair", ["cycling", "random"])
+@pytest.mark.parametrize("engine", [
+    {},  # CUDA graphs, async scheduling
+    {"async_scheduling": False},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
+])  # fmt: skip
+def test_eagle_greedy_output_is_unchanged(eagle_heads, pair, engine):
+    folder, head = eagle_heads[pair]
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [20, 21, 22, 1, 20, 21], [12, 13, 14, 10, 11],
+               [10, 11, 12, 13, 14] * 3, [21, 22, 1, 20, 21, 22, 1, 20]] * 4  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=23 + i % 7, ignore_eos=i % 2 == 0,
+                             logprobs=1, min_tokens=i % 5)
+              for i in range(len(prompts))]  # fmt: skip
+    settings = {"device": "cuda", "dtype": "float32", "max_model_len": 160, "block_size": 4,
+                "seed": 0, "num_kv_blocks": 400, **engine}  # fmt: skip
+    eagle = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    with LLM(folder, **settings) as plain:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(folder, speculative_config=eagle, **settings) as spec:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        counters = spec.engine.spec_decoder.counters
+        assert spec.engine.runner.graphs is not None or engine.get("enforce_eager")
+        assert spec.engine.block_manager.num_free_blocks == spec.engine.num_total_blocks
+    assert _summary(got) == _summary(want)
+    np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-3)
+    assert counters.num_draft_tokens > 0, counters
+    if pair == "cycling":
+        assert counters.num_accepted_tokens / counters.num_draft_tokens > 0.8, counters
