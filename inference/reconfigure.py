@@ -142,11 +142,29 @@ def plan_change(engine: Any, changes: dict[str, Any]) -> ChangePlan:
         raise ReconfigureError(409, (
             "this engine's executor (tensor parallel workers) takes only lower batch "
             "limits live; restart it with the new flags for a larger batch or KV cache"))
+    _check_sized_parts(engine, after, resizes_kv)
     if resizes_kv:
         _check_capacity(plan.kv_blocks[1], config)
         _plan_shrink(engine.block_manager, engine.scheduler.running, plan)
     plan.capture = _capture_reason(runner, after, resizes_kv) if _is_live_runner(runner) else None
     return plan
+
+
+def _check_sized_parts(engine: Any, after: dict[str, Any], resizes_kv: bool) -> None:
+    """Refuses (409) what the parts sized at start-up beside the target cannot follow: a
+    drafter's KV cache (``draft_model``, ``eagle``) mirrors the target's block ids and is
+    not resized, and LoRA's per-token slot buffers hold the start-up step size."""
+    spec = getattr(engine, "spec_decoder", None)
+    if resizes_kv and spec is not None and spec.draft is not None:
+        raise ReconfigureError(409, (
+            f"the {spec.config.method} drafter's KV cache mirrors the target's blocks and "
+            "is not resized live; restart the engine with the new KV cache size"))
+    loras = getattr(engine.runner, "loras", None)
+    needed = max(after["max_num_batched_tokens"], after["max_num_seqs"])
+    if loras is not None and needed > loras.max_tokens:
+        raise ReconfigureError(409, (
+            f"LoRA's per-token buffers hold steps of {loras.max_tokens} tokens (sized at "
+            f"start-up); steps of {needed} need a restart with the new flags"))
 
 
 # How long an engine that stops waits for a capture thread to end (one graph's recording,

@@ -72,6 +72,7 @@ class DeviceLoRAs:
                 )
                 for name, parts in FUSED_PARTS.items()
             })  # fmt: skip
+        self.max_tokens = max_tokens  # the largest step the slot buffers hold
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         # Eager steps without any adapter row skip the LoRA ops; graph capture sets it.
         self.active = False

@@ -363,3 +363,29 @@ def test_only_the_missing_graphs_are_recorded():
     assert missing_shapes(have, 64, 2048) == [
         ("mixed", t) for t in (2048, 1792, 1536, 1280, 1024, 896, 768, 640, 576)
     ]
+
+
+def test_parts_sized_at_start_up_refuse_what_they_cannot_follow(folder):
+    """A drafter's KV cache mirrors the target's block ids and LoRA's slot buffers hold the
+    start-up step: a change past them is a 409 that names the part, and changes nothing
+    (a grown target cache would hand the drafter block ids past its end)."""
+    draft = {"method": "draft_model", "model": folder, "num_speculative_tokens": 2}
+    engine = _engine(folder, speculative_config=draft)
+    before = live_settings(engine)
+    with pytest.raises(ReconfigureError) as error:
+        engine.reconfigure({"num_kv_blocks": 96})
+    assert error.value.status == 409 and "drafter's KV cache" in str(error.value)
+    assert live_settings(engine) == before
+    engine.reconfigure({"max_num_seqs": 4})  # the batch limits still change live
+    assert live_settings(engine)["max_num_seqs"] == 4
+
+    engine = _engine(folder, enable_lora=True, max_loras=1, max_lora_rank=8)
+    before = live_settings(engine)
+    with pytest.raises(ReconfigureError) as error:
+        engine.reconfigure({"max_num_batched_tokens": 96})
+    assert error.value.status == 409 and "LoRA's per-token buffers hold steps of 64" in str(
+        error.value
+    )
+    assert live_settings(engine) == before
+    engine.reconfigure({"max_num_batched_tokens": 32, "num_kv_blocks": 96})
+    assert live_settings(engine)["max_num_batched_tokens"] == 32
