@@ -169,8 +169,11 @@ def served_models(server: ServerThread) -> list[str]:
 
 
 def adapter_states(cluster: EmulatedCluster, namespace: str, name: str) -> dict[str, str]:
-    return {a["name"]: a["state"] for a in llmd_status(cluster, namespace, name).get("adapters")
-            or []}  # fmt: skip
+    return states_in(llmd_status(cluster, namespace, name))
+
+
+def states_in(status: dict) -> dict[str, str]:
+    return {a["name"]: a["state"] for a in status.get("adapters") or []}
 
 
 def test_a_running_engine_takes_adapters_live_without_a_restart(
@@ -215,8 +218,9 @@ def test_a_running_engine_takes_adapters_live_without_a_restart(
     # Refused by the engine (rank 32 > --max-lora-rank 16): Failed, naming the pod; the
     # others keep serving.
     cluster.patch(llmd_path(namespace, name), {"spec": {"adapters": [sql, chat, big]}})
+    # (one read: the states and the condition of the same status)
     status = wait_for(lambda: (s := llmd_status(cluster, namespace, name))
-                      and adapter_states(cluster, namespace, name).get("big") == "Failed" and s,
+                      and states_in(s).get("big") == "Failed" and s,
                       what="big reported Failed")  # fmt: skip
     ready = condition(status, "AdaptersReady")
     assert ready["status"] == "False" and ready["reason"] == "AdapterFailed"
