@@ -224,8 +224,9 @@ def test_speculative_methods_and_refusals_are_the_engines() -> None:
 
     draft = {"method": "draft_model", "numSpeculativeTokens": 4}
     assert errors({"speculative": {**draft, "draftModel": "/models/draft"}}) == []
-    (message,) = errors({"speculative": {**draft, "draftModel": "hf://org/draft"}})
-    assert "not delivered yet" in message and "absolute path" in message
+    assert errors({"speculative": {**draft, "draftModel": "hf://org/draft"}}) == []
+    (message,) = errors({"speculative": {**draft, "draftModel": "gs://bucket/draft"}})
+    assert "hf://ORG/NAME" in message and "absolute path" in message
     assert errors({"speculative": draft}) == [
         "spec.engine.speculative.draftModel: required with method draft_model"]
     eagle = {"method": "eagle", "numSpeculativeTokens": 3}

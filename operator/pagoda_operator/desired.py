@@ -24,6 +24,12 @@ from pagoda_operator.autoscalers import (
     desired_trigger_authentication,
     prometheus_auth,
 )
+from pagoda_operator.draft_model import (
+    DRAFT_FOLDER,
+    DRAFT_MOUNT_PATH,
+    DRAFT_VOLUME,
+    downloaded_draft,
+)
 from pagoda_operator.engine_args import API_KEY_ENV, gpu_count, serve_args
 from pagoda_operator.live_adapters import startup_adapters
 from pagoda_operator.live_settings import (
@@ -388,9 +394,10 @@ def volumes(name: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
         # Writable as a volume: the weights' mount is read-only, the kernel cache's is not.
         claim = {"claimName": cache_claim_name(name)}
         result.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
-    elif adapters_mounted(spec):
+    if kind != "download" and (adapters_mounted(spec) or downloaded_draft(spec)):
+        # Adapters or a draft in the cache of a model that is not: the claim once more.
         claim = {"claimName": cache_claim_name(name), "readOnly": True}
-        result.append({"name": ADAPTER_VOLUME, "persistentVolumeClaim": claim})
+        result.append({"name": cache_volume(spec), "persistentVolumeClaim": claim})
     return result
 
 
@@ -415,11 +422,21 @@ def volume_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
         mounts.append({"name": MODEL_VOLUME, "mountPath": c.KERNEL_CACHE_PATH,
                        "subPath": KERNEL_CACHE_FOLDER})  # fmt: skip
     if adapters_mounted(spec):
-        # The model's cache volume where the weights come from it too, else its own volume.
-        volume = MODEL_VOLUME if kind == "download" else ADAPTER_VOLUME
-        mounts.append({"name": volume, "mountPath": ADAPTERS_MOUNT_PATH,
+        mounts.append({"name": cache_volume(spec), "mountPath": ADAPTERS_MOUNT_PATH,
                        "subPath": ADAPTERS_FOLDER, "readOnly": True})  # fmt: skip
+    if downloaded_draft(spec):
+        # The draft's folder under it is --speculative-config's (``draft_path``).
+        mounts.append({"name": cache_volume(spec), "mountPath": DRAFT_MOUNT_PATH,
+                       "subPath": DRAFT_FOLDER, "readOnly": True})  # fmt: skip
     return mounts
+
+
+def cache_volume(spec: dict[str, Any]) -> str:
+    """The engine's volume of the model cache claim: the model's where the weights come from
+    it too, else one of its own (named as before drafts were downloaded, for adapters)."""
+    if model_source(spec)[0] == "download":
+        return MODEL_VOLUME
+    return ADAPTER_VOLUME if adapters_mounted(spec) else DRAFT_VOLUME
 
 
 def adapters_mounted(spec: dict[str, Any]) -> bool:

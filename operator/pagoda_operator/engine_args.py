@@ -10,6 +10,7 @@ from typing import Any
 
 from pagoda_operator.adapters import lora_args
 from pagoda_operator.constants import EMBEDDED_MODEL, ENGINE_PORT, MODEL_MOUNT_PATH
+from pagoda_operator.draft_model import draft_path
 from pagoda_operator.live_settings import flag_arguments
 from pagoda_operator.spec import model_source
 
@@ -76,7 +77,9 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
     if engine.get("quantization") is not None:
         args += ["--quantization", engine["quantization"]]
     if engine.get("speculative") is not None:
-        args += ["--speculative-config", speculative_config(engine["speculative"])]
+        # A downloaded draft is read from its folder in the cache (``draft_model``).
+        speculative = {**engine["speculative"], "draftModel": draft_path(spec)}
+        args += ["--speculative-config", speculative_config(speculative)]
     args += lora_args(spec)
     prefix_caching = engine.get("enablePrefixCaching", True)
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")

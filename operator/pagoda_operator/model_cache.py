@@ -8,7 +8,9 @@ mixes with the old one. Replicas mount the folder read-only once the Job has suc
 then the Deployment is created with no replicas (or, when a previous model is serving, left
 as it is). This is KServe's storage-initializer and the shared-PVC pattern of KubeAI and
 vLLM production-stack, with the download in a Job of its own so N replicas do not fetch N
-copies, and with the outcome in the LLMDeployment's status.
+copies, and with the outcome in the LLMDeployment's status. The same Job downloads the
+hf:// and s3:// LoRA adapters (``adapters``) and speculative draft model (``draft_model``),
+one init container each, into folders of their own on the volume.
 
 Credentials come from a Secret named in ``spec.model.source.credentialsSecret`` and reach the
 Job's container as environment variables (``HF_TOKEN``; ``AWS_ACCESS_KEY_ID``,
@@ -38,6 +40,13 @@ from pagoda_operator.adapters import (
     adapter_folder,
     downloaded_adapters,
     max_lora_rank,
+)
+from pagoda_operator.draft_model import (
+    DRAFT_CONTAINER,
+    DRAFT_FOLDER,
+    DRAFT_MODEL_ENV,
+    downloaded_draft,
+    draft_folder,
 )
 
 DOWNLOAD_SCHEMES = ("hf", "s3")
@@ -81,8 +90,8 @@ def download_uri(spec: dict[str, Any]) -> str | None:
 
 def needs_cache(spec: dict[str, Any]) -> bool:
     """Whether the loader Job and its cache volume exist: for the model's download source,
-    or for any hf:// or s3:// adapter (spec.adapters)."""
-    return bool(download_uri(spec) or downloaded_adapters(spec))
+    for any hf:// or s3:// adapter (spec.adapters), or for an hf:// or s3:// draft model."""
+    return bool(download_uri(spec) or downloaded_adapters(spec) or downloaded_draft(spec))
 
 
 def cache_folder(spec: dict[str, Any]) -> str:
@@ -131,7 +140,7 @@ def loader_job_body(
         container["command"] = ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0" && exec pagoda "$@"']
         container["args"] = [kernel_cache, *_download_args(source, dest)]
     else:
-        # Adapters only: the Job's one container has nothing left to fetch.
+        # Adapters or a draft only: the Job's one container has nothing left to fetch.
         container["command"] = ["/bin/sh", "-c", 'mkdir -p -m 1777 "$0"']
         container["args"] = [kernel_cache]
     pod: dict[str, Any] = {
@@ -144,18 +153,19 @@ def loader_job_body(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
-    adapters = adapter_loader_containers(spec, image, container_security)
-    if adapters:
+    fetches = [*adapter_loader_containers(spec, image, container_security),
+               *draft_loader_containers(spec, image, container_security)]  # fmt: skip
+    if fetches:
         # One after the other, before the model's: init containers request the most any
         # one of them does, not the sum, and each leaves its own termination message.
-        pod["initContainers"] = adapters
+        pod["initContainers"] = fetches
     # The loader is the claim's first consumer: a ReadWriteOnce volume is provisioned in its
     # zone, so it must land where the engines may run (else "volume node affinity conflict").
     for field in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity"):
         if spec.get(field):
             pod[field] = spec[field]
     exit_codes: dict[str, Any] = {"operator": "In", "values": list(PERMANENT_EXIT_CODES)}
-    if not adapters:
+    if not fetches:
         exit_codes = {"containerName": LOADER_CONTAINER, **exit_codes}
     return _loader_job(name, cache, pod, exit_codes)
 
@@ -186,6 +196,22 @@ def adapter_loader_containers(
         container["env"].append({"name": ADAPTER_NAME_ENV, "value": adapter["name"]})
         containers.append(container)
     return containers
+
+
+def draft_loader_containers(
+    spec: dict[str, Any], image: str, container_security: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The hf:// or s3:// draft model's ``pagoda download``, into ``draft/<folder>``; none
+    for a draft given as a path."""
+    source = downloaded_draft(spec)
+    if source is None:
+        return []
+    container = _loader_container(DRAFT_CONTAINER, spec, image, container_security, source)
+    container["command"] = ["pagoda"]
+    dest = f"{CACHE_MOUNT_PATH}/{DRAFT_FOLDER}/{draft_folder(source)}"
+    container["args"] = _download_args(source, dest)
+    container["env"].append({"name": DRAFT_MODEL_ENV, "value": source["uri"]})
+    return [container]
 
 
 def _loader_container(
@@ -236,7 +262,8 @@ def _loader_job(
                 "rules": [
                     {
                         "action": "FailJob",
-                        # With adapters, no containerName: any container, init ones too.
+                        # With adapters or a draft, no containerName: any container,
+                        # init ones too.
                         "onExitCodes": exit_codes,
                     },
                     # A node drained or a pod preempted is not the loader's failure.
@@ -277,7 +304,7 @@ class CacheState:
     num_files: int | None = None
 
     def status(self, spec: dict[str, Any], name: str) -> dict[str, Any] | None:
-        """``status.modelCache``; None when only adapters are downloaded."""
+        """``status.modelCache``; None when only adapters or a draft are downloaded."""
         if not download_uri(spec):
             return None
         result: dict[str, Any] = {
@@ -304,13 +331,13 @@ def cache_state(
     conditions = {
         cond.get("type"): cond for cond in (job.get("status") or {}).get("conditions") or []
     }
-    adapters = _adapter_names(job)
+    fetches = _fetch_names(job)
     if _is_true(conditions.get("Complete")) or int((job.get("status") or {}).get("succeeded") or 0):
         result = _termination_result(pods, succeeded=True) or {}
         message = f"{result.get('bytes', '?')} bytes at revision {result.get('revision') or '-'}"
-        if adapters:
+        if fetches:
             model = message if _downloads_model(job) else None
-            message = "; ".join(filter(None, [model, f"{len(adapters)} adapter(s) cached"]))
+            message = "; ".join(filter(None, [model, *_fetches_cached(fetches)]))
         return CacheState(
             True,
             False,
@@ -321,7 +348,7 @@ def cache_state(
             num_files=result.get("files"),
         )
     if _is_true(conditions.get("Failed")):
-        result = _termination_result(pods, succeeded=False, adapters=adapters) or {}
+        result = _termination_result(pods, succeeded=False, fetches=fetches) or {}
         failed = conditions["Failed"]
         reason = str(result.get("error") or failed.get("reason") or "LoaderFailed")
         message = str(result.get("message") or failed.get("message") or "the model loader failed")
@@ -330,10 +357,10 @@ def cache_state(
         for status in _container_statuses(pod):
             waiting = (status.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in BLOCKING_WAIT_REASONS:
-                message = _naming(adapters, status, waiting.get("message") or waiting["reason"])
+                message = _naming(fetches, status, waiting.get("message") or waiting["reason"])
                 return CacheState(False, False, waiting["reason"], message)
     failures = int((job.get("status") or {}).get("failed") or 0)
-    last = _termination_result(pods, succeeded=False, adapters=adapters) or {}
+    last = _termination_result(pods, succeeded=False, fetches=fetches) or {}
     message = "Downloading the model"
     if failures:
         message += f" (attempt {failures + 1}; last: {last.get('message') or 'failed'})"
@@ -341,10 +368,11 @@ def cache_state(
 
 
 def _termination_result(
-    pods: list[dict[str, Any]], *, succeeded: bool, adapters: dict[str, str] | None = None
+    pods: list[dict[str, Any]], *, succeeded: bool, fetches: dict[str, str] | None = None
 ) -> dict[str, Any] | None:
     """The JSON the downloader left in the newest matching pod's termination message: the
-    model's on success; on failure the failed container's, its message naming the adapter."""
+    model's on success; on failure the failed container's, its message naming the adapter
+    or draft model it fetched."""
     wanted = "Succeeded" if succeeded else "Failed"
     candidates = [pod for pod in pods if (pod.get("status") or {}).get("phase") == wanted]
     candidates.sort(key=lambda pod: (pod.get("metadata") or {}).get("creationTimestamp") or "")
@@ -359,12 +387,12 @@ def _termination_result(
                 result = json.loads(text)
             except ValueError:
                 if text:
-                    message = _naming(adapters or {}, status, text.strip()[-500:])
+                    message = _naming(fetches or {}, status, text.strip()[-500:])
                     return {"error": "LoaderFailed", "message": message}
                 continue
             if isinstance(result, dict):
                 if result.get("message") is not None:
-                    result["message"] = _naming(adapters or {}, status, str(result["message"]))
+                    result["message"] = _naming(fetches or {}, status, str(result["message"]))
                 return result
     return None
 
@@ -378,15 +406,25 @@ def _exit_code(status: dict[str, Any]) -> int | None:
     return ((status.get("state") or {}).get("terminated") or {}).get("exitCode")
 
 
-def _adapter_names(job: dict[str, Any]) -> dict[str, str]:
-    """Loader container name -> the adapter it downloads (from the Job's template)."""
+def _fetch_names(job: dict[str, Any]) -> dict[str, str]:
+    """Loader container name -> what it downloads besides the model, ``adapter NAME`` or
+    ``draft model URI`` (from the Job's template)."""
     pod = (((job.get("spec") or {}).get("template") or {}).get("spec")) or {}
+    labels = {ADAPTER_NAME_ENV: "adapter", DRAFT_MODEL_ENV: "draft model"}
     names = {}
     for container in pod.get("initContainers") or []:
         for env in container.get("env") or []:
-            if env.get("name") == ADAPTER_NAME_ENV:
-                names[container.get("name")] = str(env.get("value"))
+            if env.get("name") in labels:
+                names[container.get("name")] = f"{labels[env['name']]} {env.get('value')}"
     return names
+
+
+def _fetches_cached(fetches: dict[str, str]) -> list[str]:
+    """The success message's words for the adapters and the draft model."""
+    adapters = sum(label.startswith("adapter ") for label in fetches.values())
+    others = [f"{label} cached" for label in fetches.values() if not label.startswith("adapter ")]
+    words = [f"{adapters} adapter(s) cached"] if adapters else []
+    return words + others
 
 
 def _downloads_model(job: dict[str, Any]) -> bool:
@@ -394,9 +432,9 @@ def _downloads_model(job: dict[str, Any]) -> bool:
     return any("download" in (container.get("args") or []) for container in pod.get("containers") or [])
 
 
-def _naming(adapters: dict[str, str], status: dict[str, Any], message: str) -> str:
-    adapter = adapters.get(status.get("name") or "")
-    return f"adapter {adapter}: {message}" if adapter else message
+def _naming(fetches: dict[str, str], status: dict[str, Any], message: str) -> str:
+    label = fetches.get(status.get("name") or "")
+    return f"{label}: {message}" if label else message
 
 
 def _is_true(cond: dict[str, Any] | None) -> bool:

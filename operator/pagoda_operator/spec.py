@@ -14,6 +14,7 @@ from typing import Any
 
 from pagoda_operator.adapters import LORA_FLAGS, adapter_errors, lora_enabled
 from pagoda_operator.constants import GPU_RESOURCE
+from pagoda_operator.draft_model import DRAFT_VOLUME, draft_model_errors
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 BLOCK_SIZES = tuple(2**power for power in range(9))  # 1 .. 256
@@ -185,7 +186,7 @@ def _rollout_errors(spec: dict[str, Any]) -> list[str]:
         )
     for volume in spec.get("volumes") or []:
         if (volume or {}).get("name") in ("model", "dshm", "engine-cache", "engine-tmp",
-                                          "adapter-cache"):
+                                          "adapter-cache", DRAFT_VOLUME):
             errors.append(f"spec.volumes: the name {volume['name']} is the operator's")
     budget = spec.get("disruptionBudget") or {}
     if budget.get("minAvailable") is not None and budget.get("maxUnavailable") is not None:
@@ -305,28 +306,8 @@ def _speculative_errors(engine: dict[str, Any]) -> list[str]:
         errors.append(f"{where}: promptLookupMin and promptLookupMax go with method ngram")
     elif None not in lookup and lookup[0] > lookup[1]:
         errors.append(f"{where}: promptLookupMin must be <= promptLookupMax")
-    draft = speculative.get("draftModel")
-    if method in ("draft_model", "eagle"):
-        errors += _draft_model_errors(where, method, draft)
-    elif draft is not None:
-        errors.append(f"{where}.draftModel: goes with methods draft_model and eagle")
+    errors += draft_model_errors(where, speculative)
     return errors
-
-
-def _draft_model_errors(where: str, method: str, draft: Any) -> list[str]:
-    """The draft model's folder, or the EAGLE head's: delivered the same way."""
-    if not draft:
-        return [f"{where}.draftModel: required with method {method}"]
-    if "://" in str(draft):
-        # The loader Job delivers one source (spec.model.source); a draft fetched the same
-        # way needs a second folder in the cache, not built yet.
-        return [f"{where}.draftModel: {draft!r} is not delivered yet (hf:// and s3:// "
-                "draft models are not downloaded); give the draft's folder in the engine "
-                "container as an absolute path: baked into the image, or under a mounted "
-                "volume such as /models"]
-    if not str(draft).startswith("/"):
-        return [f"{where}.draftModel: must be an absolute path (got {draft!r})"]
-    return []
 
 
 def _extra_args_errors(

@@ -203,6 +203,18 @@ def test_adapters_of_a_model_in_the_image_get_a_cache_of_their_own() -> None:
     assert engine_pod["containers"][0]["args"][1] == "default"  # the model stays the image's
 
 
+def test_adapters_of_a_model_on_a_pvc_mount_the_cache_claim_too() -> None:
+    """The model's volume is its own claim: the adapters' mount names a volume that exists."""
+    engine_pod = objects(llmd([SQL], source={"pvc": {"claimName": "weights"}}))[
+        "Deployment"]["spec"]["template"]["spec"]  # fmt: skip
+    volumes = {v["name"]: v for v in engine_pod["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "weights"
+    assert volumes["adapter-cache"]["persistentVolumeClaim"]["claimName"] == "qwen-model-cache"
+    mount = next(m for m in engine_pod["containers"][0]["volumeMounts"]
+                 if m["mountPath"] == "/adapters")  # fmt: skip
+    assert mount["name"] == "adapter-cache"
+
+
 def test_only_local_adapters_need_no_cache() -> None:
     owned = objects(llmd([BAKED], source=None))
     assert "Job" not in owned and "PersistentVolumeClaim" not in owned

@@ -178,7 +178,8 @@ def test_reserved_volume_names_are_the_operators(crd: dict[str, Any]) -> None:
     (rule,) = spec["volumes"]["items"]["x-kubernetes-validations"]
     (names,) = [node for node in _walk(parse(rule["rule"])) if isinstance(node, ListLiteral)]
     reserved = [literal.value for literal in names.elements]
-    assert reserved == ["model", "dshm", "engine-cache", "engine-tmp", "adapter-cache"]
+    assert reserved == ["model", "dshm", "engine-cache", "engine-tmp", "adapter-cache",
+                        "draft-cache"]
     for name in [*reserved, "scratch"]:
         volume_spec = with_defaults({"model": {"name": "m"}, "volumes": [{"name": name}]})
         refused = any("spec.volumes" in error for error in validate_spec(volume_spec))
