@@ -69,14 +69,15 @@ def test_engine_warm_up_runs_the_real_kernel(tmp_path, monkeypatch, kv_cache_dty
 
     monkeypatch.setattr(attention, "_launch", record)
     monkeypatch.setenv("PAGODA_DISABLE_TRITON", "0")  # TRITON_INTERPRET=1 on CPU runs
-    runner._warm_up_attention_variants()
+    tokens = runner.config.max_num_batched_tokens
+    runner._warm_up_attention_variants(tokens)
     layer = runner.model.layers[0]
     k_cache = runner.kv_caches[0][0]
     expected = [
         tiling
         for decode in (False, True)
         for tiling in attention.tilings(layer.num_heads, k_cache.shape[2], k_cache.shape[3],
-                                        4096, torch.device("cpu"), decode)
+                                        tokens, torch.device("cpu"), decode)
     ]  # fmt: skip
     assert launched == expected
     assert {t.block_m for t in launched if t.block_q > 1} == {64, 128}  # both query tilings
