@@ -102,12 +102,19 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
 async def reconcile_llmdeployment(
     body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    llmd = plain(body)
+    await reconcile_locked(memo, plain(body), event_emitter(body), logger)
+
+
+async def reconcile_locked(
+    memo: kopf.Memo, llmd: dict[str, Any], emit: EmitEvent, logger: Any
+) -> None:
+    """``reconcile`` with the operator's settings, under the object's lock (every caller
+    of ``reconcile`` comes through here)."""
     async with object_lock(memo, llmd):
         await reconcile(
             memo.client,
             llmd,
-            emit=event_emitter(body),
+            emit=emit,
             default_image=memo.default_image,
             picker_image=memo.picker_image,
             service_monitors=memo.service_monitors,
@@ -165,17 +172,7 @@ async def owned_object_changed(
     if llmd is None:
         return
     try:
-        async with object_lock(memo, llmd):
-            await reconcile(
-                memo.client,
-                llmd,
-                emit=event_emitter(llmd),
-                default_image=memo.default_image,
-                picker_image=memo.picker_image,
-                service_monitors=memo.service_monitors,
-                monitor=memo.monitor,
-                logger=logger,
-            )
+        await reconcile_locked(memo, llmd, event_emitter(llmd), logger)
     except kopf.TemporaryError as error:
         # Event handlers are not retried: the next event of this object or its owner is.
         logger.info("Reconcile after a change of %s deferred: %s", obj.get("kind"), error)
@@ -216,17 +213,8 @@ async def recheck_loop(memo: kopf.Memo) -> None:
             meta = llmd["metadata"]
             logger = ObjectLogger(RECHECK_LOGGER, {"object": f"{meta['namespace']}/{meta['name']}"})
             try:
-                async with object_lock(memo, llmd):
-                    await reconcile(
-                        memo.client,
-                        llmd,
-                        emit=api_event_emitter(memo.client, llmd, memo.tuner_events),
-                        default_image=memo.default_image,
-                        picker_image=memo.picker_image,
-                        service_monitors=memo.service_monitors,
-                        monitor=memo.monitor,
-                        logger=logger,
-                    )
+                emit = api_event_emitter(memo.client, llmd, memo.tuner_events)
+                await reconcile_locked(memo, llmd, emit, logger)
             except Exception as error:  # one object's trouble never ends the loop
                 logger.warning("Periodic reconcile failed; next round retries: %s", error)
 
@@ -298,17 +286,7 @@ async def tune_llmdeployment(llmd: dict[str, Any], memo: kopf.Memo) -> None:
     lock = object_lock(memo, llmd)
 
     async def apply_owned(current: dict[str, Any]) -> None:
-        async with lock:
-            await reconcile(
-                memo.client,
-                current,
-                emit=emit,
-                default_image=memo.default_image,
-                picker_image=memo.picker_image,
-                service_monitors=memo.service_monitors,
-                monitor=memo.monitor,
-                logger=logger,
-            )
+        await reconcile_locked(memo, current, emit, logger)
 
     # Errors end the window, never the loop: the next window simply tries again.
     try:

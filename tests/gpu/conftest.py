@@ -61,28 +61,18 @@ def _free_gpu_memory():
 
 
 # -- models the GPU test files share (built once per session) -------------------------
+
 @pytest.fixture(scope="session")
 def qwen_1p5b_shape(tmp_path_factory):
     """Random Qwen2 in Qwen2.5-1.5B's per-layer shapes, 6 layers, float32; q/k weights
     with std 0.05 (the rest 0.02) so that attention is sharp."""
-    import torch
-    import transformers
     from differential import Reference
+    from gpu_matrix import sharp_qwen2
 
     folder = tmp_path_factory.mktemp("qwen-1.5b-shape")
-    config = transformers.Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=6,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4608,
-        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
-        bos_token_id=151643, eos_token_id=151645,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.normal_(0, 0.05)
-            layer.self_attn.k_proj.weight.normal_(0, 0.05)
-    model.save_pretrained(folder)
+    model = sharp_qwen2(folder, vocab_size=151936, intermediate_size=8960, num_hidden_layers=6,
+                        max_position_embeddings=4608, bos_token_id=151643,
+                        eos_token_id=151645)  # fmt: skip
     return str(folder), Reference(model.to("cuda"), "cuda")
 
 

@@ -92,3 +92,25 @@ def run_matrix_row(models, index, setting, dtype="float32", quantization=None, s
         engine.shutdown()
     assert free == total
     return arch, model, results, preemptions, workload
+
+
+def sharp_qwen2(folder, **config):
+    """A random Qwen2 with Qwen2.5-1.5B's attention (hidden 1536, 12 query heads, 2 KV
+    heads), float32, saved in ``folder``: q/k weights with std 0.05 (the rest 0.02) so
+    that attention is sharp and its errors show. ``config``: the rest of the shape."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
+        **config,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.05)
+            layer.self_attn.k_proj.weight.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return model

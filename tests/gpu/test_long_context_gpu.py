@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from differential import Reference, Req, Workload, check_results_complete, compare, run_workload
-from gpu_matrix import FP32_TOL, cuda_engine
+from gpu_matrix import FP32_TOL, cuda_engine, sharp_qwen2
 
 from inference import SamplingParams
 
@@ -28,22 +28,10 @@ VOCAB = 32000
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
-    import transformers
-
     folder = tmp_path_factory.mktemp("long-context")
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=1536, intermediate_size=4096, num_hidden_layers=2,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.normal_(0, 0.05)
-            layer.self_attn.k_proj.weight.normal_(0, 0.05)
-    model.save_pretrained(folder)
+    model = sharp_qwen2(folder, vocab_size=VOCAB, intermediate_size=4096, num_hidden_layers=2,
+                        max_position_embeddings=MAX_MODEL_LEN, bos_token_id=1,
+                        eos_token_id=2)  # fmt: skip
     return str(folder), Reference(model.to("cuda"), "cuda")
 
 
