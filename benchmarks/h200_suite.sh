@@ -88,8 +88,8 @@ if [[ $PART == all || $PART == long ]]; then
   # batch 1 and 16, KV blocks of 16 and 32 tokens; bf16 and FP8 KV.
   for kv in auto fp8; do
     for block in 16 32; do
-      $B.latency --model qwen2.5-1.5b --batch-size 1 16 --input-len 8192 32768 --output-len 64 \
-          --num-iters 2 --block-size $block --kv-cache-dtype $kv --max-model-len 32832 \
+      $B.latency --model qwen2.5-1.5b --batch-size 1 16 --input-len 8192 32704 --output-len 64 \
+          --num-iters 2 --block-size $block --kv-cache-dtype $kv --max-model-len 32768 \
           --output-json "$OUT/latency_long_b${block}_$kv.json"
     done
   done

@@ -1,6 +1,9 @@
 """Bench plumbing that runs on CPU: named shapes and the synthetic tokenizer."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from inference.model_shapes import SHAPES, resolve_shape_model, write_synthetic_tokenizer
 from inference.models.config import ModelConfig
@@ -126,3 +129,95 @@ def test_throughput_bench_reports_a_draft_models_acceptance(tmp_path, capsys):
     assert result["acceptance_rate"] > 0.9 and result["mean_acceptance_length"] > 3.0
     assert "copy_rate" not in result  # random prompts
     assert "speculative decoding (draft_model, k=3)" in capsys.readouterr().out
+
+
+def test_copy_chain_links_each_token_to_the_next_except_where_broken():
+    import numpy as np
+
+    from inference.bench.copy_workload import CopyChain
+
+    whole = CopyChain(5000, 100)
+    chain = whole.chain
+    assert len(set(chain.tolist())) == len(chain) and whole.broken.size == 0
+    assert all(whole.successor(int(chain[j])) == int(chain[j + 1]) for j in (0, 7, 500))
+    broken = CopyChain(5000, 100, miss_rate=0.3, seed=2)
+    assert 0.2 < broken.broken.size / len(broken.chain) < 0.4
+    j = int(broken.broken[3])
+    own = broken.successor(int(broken.chain[j]))
+    assert own not in set(broken.chain.tolist())  # a token of its own, off the chain
+    assert broken.successor(own) == int(broken.chain[j + 2])  # then back onto the chain
+    prompt = broken.prompt(np.random.default_rng(0), 100)
+    start = int(np.flatnonzero(broken.chain == prompt[0])[0])
+    assert prompt[:100] == broken.chain[start : start + 100].tolist()
+    assert prompt[100:] == prompt[:16]
+
+
+@pytest.mark.parametrize("miss_rate", [0.0, 0.25])
+def test_a_copier_model_continues_the_chain_and_its_copy_rate_follows(tmp_path, miss_rate):
+    """make_copier on random weights: greedy output walks the chain's successor table
+    exactly, so the copy rate is 1 with no broken links and falls with them."""
+    from tiny_models import build_tiny_model
+
+    from inference import LLM, SamplingParams
+    from inference.bench.copy_workload import CopyChain, copy_rate, make_copier
+
+    build_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=False)
+    llm = LLM(str(tmp_path / "m"), device="cpu", load_format="dummy", num_kv_blocks=64)
+    vocab = llm.engine.model_config.vocab_size
+    chain = CopyChain(vocab, 48, miss_rate=miss_rate, seed=1)
+    make_copier(llm.engine.runner.model, chain)
+    prompts = copy_prompts_of(chain, 3, 48)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20,
+                                                ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected, token = [], prompt[-1]
+        for _ in range(20):
+            token = chain.successor(token)
+            expected.append(token)
+        assert list(out.outputs[0].token_ids) == expected
+    rate = copy_rate(prompts, [o.outputs[0].token_ids for o in outs])
+    assert rate == 1.0 if miss_rate == 0.0 else rate < 1.0
+
+
+def copy_prompts_of(chain, num, document_len):
+    from inference.bench.copy_workload import copy_prompts
+
+    return copy_prompts(None, num, document_len, 0, seed=5, chain=chain)
+
+
+def test_copy_model_needs_the_copy_workload_on_a_named_shape():
+    from inference.bench.common import copy_model_folder
+    from inference.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--workload", "copy",
+                                      "--copy-model", "--document-len", "64"])
+    with pytest.raises(SystemExit, match="named shape"):
+        copy_model_folder(args, "/some/model", {})
+    folder, extra = resolve_shape_model("qwen2.5-1.5b")
+    copy_model_folder(args, folder, extra)
+    assert json.loads(Path(folder, "config.json").read_text())["tie_word_embeddings"] is False
+    assert args.copy_chain.chain.size >= 20_000
+
+
+def test_latency_bench_with_a_copier_reports_full_copy_and_acceptance(tmp_path, monkeypatch):
+    """``--copy-model`` end to end on CPU, a tiny model standing in for a named shape: the
+    copier copies every token and n-gram drafts from the document are all accepted."""
+    from tiny_models import build_tiny_model
+
+    from inference.bench import latency
+    from inference.cli import build_parser
+
+    build_tiny_model(tmp_path / "m", "llama")
+    monkeypatch.setattr(latency, "resolve_shape_model",
+                        lambda model: (str(tmp_path / "m"), {"load_format": "dummy"}))
+    out = tmp_path / "r.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    args = build_parser().parse_args([
+        "bench", "latency", "--model", "qwen2.5-1.5b", "--device", "cpu", "--workload", "copy",
+        "--copy-model", "--document-len", "48", "--output-len", "12", "--num-iters", "1",
+        "--speculative-config", spec, "--num-kv-blocks", "64", "--output-json", str(out),
+    ])
+    assert args.func(args) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["copy_model"] is True and result["copy_rate"] == 1.0
+    assert result["acceptance_rate"] == 1.0 and result["mean_acceptance_length"] > 2.0

@@ -135,6 +135,41 @@ def add_workload_args(parser) -> None:
                         "n-gram speculation pays; the copy rate measured is reported)")
     parser.add_argument("--document-len", type=int, default=2048,
                         help="tokens of each --workload copy document")
+    parser.add_argument("--copy-model", action="store_true",
+                        help="--workload copy on a named shape: set its random weights so that "
+                        "it copies the documents (full-size kernels, a copy rate you choose "
+                        "with --copy-miss-rate), where random weights copy nothing")
+    parser.add_argument("--copy-miss-rate", type=float, default=0.0,
+                        help="with --copy-model: the share of document tokens the model does "
+                        "not copy (it emits a token of its own there)")
+
+
+def copy_model_folder(args, folder: str, extra: dict) -> None:
+    """``--copy-model``, before the engine loads: checks it applies, gives the named
+    shape's config its own LM head (the same bytes a step reads as a tied one) and sets
+    ``args.copy_chain``, the chain the documents and the weights follow."""
+    args.copy_chain = None
+    if not args.copy_model:
+        return
+    if args.workload != "copy" or extra.get("load_format") != "dummy":
+        raise SystemExit("--copy-model needs --workload copy and a named shape (--model "
+                         "qwen2.5-1.5b, ...): it rewrites random weights")
+    if (args.tensor_parallel_size or 1) > 1 or args.quantization:
+        raise SystemExit("--copy-model runs unquantized at --tensor-parallel-size 1")
+    from inference.bench.copy_workload import CopyChain
+
+    config_path = Path(folder) / "config.json"
+    shape = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(shape | {"tie_word_embeddings": False}))
+    args.copy_chain = CopyChain(shape["vocab_size"], args.document_len, args.copy_miss_rate)
+
+
+def install_copy_model(args, engine) -> None:
+    """``--copy-model``, once the engine is up: the copier's weights (``make_copier``)."""
+    if getattr(args, "copy_chain", None) is not None:
+        from inference.bench.copy_workload import make_copier
+
+        make_copier(engine.runner.model, args.copy_chain)
 
 
 def workload_input_len(args) -> int:
@@ -153,7 +188,8 @@ def workload_prompts(args, engine, num: int, length: int, seed: int = 0) -> list
     if args.workload == "copy":
         from inference.bench.copy_workload import copy_prompts
 
-        return copy_prompts(engine.tokenizer, num, args.document_len, vocab, seed)
+        return copy_prompts(engine.tokenizer, num, args.document_len, vocab, seed,
+                            getattr(args, "copy_chain", None))
     return random_prompts(num, length, vocab, seed)
 
 
@@ -165,7 +201,9 @@ def workload_summary(args, prompts: list[list[int]], outputs) -> dict:
     from inference.bench.copy_workload import copy_rate
 
     generated = [o.outputs[0].token_ids for o in outputs]
-    return {"prompt_workload": "copy", "document_len": args.document_len,
+    copier = {"copy_model": True, "copy_miss_rate": args.copy_miss_rate} if getattr(
+        args, "copy_chain", None) is not None else {}  # fmt: skip
+    return {"prompt_workload": "copy", "document_len": args.document_len, **copier,
             "prompt_len_mean": round(sum(map(len, prompts)) / len(prompts), 1),
             "copy_rate": round(copy_rate(prompts, generated), 4)}
 

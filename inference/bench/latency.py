@@ -18,7 +18,9 @@ from inference.bench.common import (
     add_workload_args,
     bench_main,
     bench_model,
+    copy_model_folder,
     engine_kwargs,
+    install_copy_model,
     record,
     spec_decode_counts,
     spec_decode_line,
@@ -82,8 +84,10 @@ def run_latency(args: argparse.Namespace) -> int:
     from inference import LLM
 
     folder, extra = resolve_shape_model(bench_model(args))
+    copy_model_folder(args, folder, extra)
     max_out = max(args.output_len)
     llm = LLM(folder, **(extra | engine_kwargs(args, workload_input_len(args) + max_out)))
+    install_copy_model(args, llm.engine)
     results = []
     sweep = [(i, o, b) for i in args.input_len for o in args.output_len for b in args.batch_size]
     for input_len, output_len, batch in sweep:

@@ -11,7 +11,9 @@ from inference.bench.common import (
     add_workload_args,
     bench_main,
     bench_model,
+    copy_model_folder,
     engine_kwargs,
+    install_copy_model,
     random_prompts,
     record,
     spec_decode_counts,
@@ -41,10 +43,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     from inference import LLM, SamplingParams
 
     folder, extra = resolve_shape_model(bench_model(args))
+    copy_model_folder(args, folder, extra)
     t0 = time.perf_counter()
     llm = LLM(folder, **(extra | engine_kwargs(args, workload_input_len(args) + args.output_len)))
     startup_s = time.perf_counter() - t0
     engine = llm.engine
+    install_copy_model(args, engine)
     prompts = workload_prompts(args, engine, args.num_prompts, args.input_len)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len,
                             detokenize=False)

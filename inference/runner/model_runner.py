@@ -345,11 +345,11 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def run_model(self, inputs: StepInputs, use_graphs: bool = True) -> torch.Tensor:
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The model's final hidden states over a step's tokens: through a captured graph
         where one fits, else eagerly."""
         graphs = self.graphs
-        if graphs is not None and use_graphs and graphs.fits(inputs):
+        if graphs is not None and graphs.fits(inputs):
             return graphs.run(inputs)
         input_ids, positions, meta = self._to_device(inputs)
         if inputs.has_placeholders:
@@ -389,10 +389,10 @@ class ModelRunner:
         """The same from host arrays: what a tensor-parallel worker receives."""
         if self.loras is not None:
             self.loras.stage(inputs.lora_slots, inputs.lora_loads)
-        # A step that verifies drafts runs eagerly: its queries of k + 1 tokens are not
-        # among the captured decode shapes (graphs for it are future GPU work).
+        # A step that verifies drafts (queries of up to k + 1 tokens a row) replays a mixed
+        # step's graph like any step of that many tokens.
         verifying = sampling.draft_token_ids is not None
-        hidden = self.run_model(inputs, use_graphs=not verifying)
+        hidden = self.run_model(inputs)
         prompt_logprobs = None
         if sampling.prompt_logprobs:
             prompt_logprobs = compute_prompt_logprobs(

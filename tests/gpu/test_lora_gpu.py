@@ -59,11 +59,12 @@ def test_engine_with_cuda_graphs_matches_merged_models(tmp_path):
     hf = build_tiny_model(tmp_path / "base", "qwen2", qk_scale=2.0, seed=7, hidden_size=128,
                           num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=256)  # fmt: skip
-    refs, loras = [Reference(hf.cuda(), "cuda")], [None]
-    for i, rank in enumerate((8, 16, 4)):
-        adapter = build_adapter(tmp_path / f"a{i}", hf.cpu(), rank=rank, seed=i + 1)
+    refs, loras = [], [None]
+    for i, rank in enumerate((8, 16, 4)):  # merged on the CPU base model, then moved
+        adapter = build_adapter(tmp_path / f"a{i}", hf, rank=rank, seed=i + 1)
         loras.append(LoRARequest(f"a{i}", i + 1, str(tmp_path / f"a{i}")))
-        refs.append(Reference(merged_model(hf.cpu(), adapter).cuda(), "cuda"))
+        refs.append(Reference(merged_model(hf, adapter).cuda(), "cuda"))
+    refs.insert(0, Reference(hf.cuda(), "cuda"))  # Module.cuda() moves hf itself: last
     engine = LLMEngine(EngineConfig.from_kwargs(
         str(tmp_path / "base"), device="cuda", dtype="float32", max_model_len=256,
         enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=16,
