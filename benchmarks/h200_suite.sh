@@ -67,13 +67,17 @@ if [[ $PART == all || $PART == int4 ]]; then
   done
 fi
 if [[ $PART == all || $PART == spec ]]; then
-  # n-gram on the copy workload (its copy rate is reported) and the off-switch at batch 256.
+  # n-gram on the copy workload, the 1.5B made a copier (--copy-model) that copies all of
+  # each document or misses a fifth of its tokens (the copy rate measured is reported), and
+  # the off-switch at batch 256.
   NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
   for spec in "" "$NGRAM"; do
     tag=$([[ -n $spec ]] && echo _ngram || echo "")
-    $B.latency --model qwen2.5-1.5b --batch-size 1 --workload copy --document-len 2048 \
-        --output-len 128 --num-iters 2 ${spec:+--speculative-config "$spec"} \
-        --output-json "$OUT/latency_copy$tag.json"
+    for miss in 0.0 0.2; do
+      $B.latency --model qwen2.5-1.5b --batch-size 1 --workload copy --document-len 2048 \
+          --copy-model --copy-miss-rate $miss --output-len 128 --num-iters 3 \
+          ${spec:+--speculative-config "$spec"} --output-json "$OUT/latency_copy_miss$miss$tag.json"
+    done
     $B.throughput --model qwen2.5-1.5b --num-prompts 1024 --input-len 512 --output-len 128 \
         --max-num-seqs 256 ${spec:+--speculative-config "$spec"} \
         --output-json "$OUT/throughput_256$tag.json"
