@@ -130,3 +130,50 @@ def test_a_shutdown_during_a_background_capture_returns(folder, monkeypatch):
     engine.shutdown()
     assert time.monotonic() - start < DEADLINE_S / 2
     assert not change.done
+
+
+# (max_num_seqs, max_num_batched_tokens, num_kv_blocks), all within the limits the engine
+# started with (no graph to record), KV caches grown and shrunk between them; the smallest
+# cache holds one longest request (max_model_len 512 = 32 blocks of 16).
+GPU_CHANGES = [(2, 32, 512), (4, 256, 512), (1, 16, 36), (3, 64, 512), (4, 128, 32),
+               (2, 48, 512), (4, 256, 96), (1, 8, 512)]  # fmt: skip
+
+
+def test_outputs_unchanged_across_100_live_changes_under_load(folder):
+    """One change after each of the first 100 steps, under load (16 requests, 4 running at
+    most): every request ends with exactly the tokens of an engine that never changed,
+    none fails, every KV block comes back, and each change without a KV resize is in
+    effect at once (under 1 s; the issue's bound). Prints the change times."""
+    reference = _engine(folder)
+    _add(reference)
+    want: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        _collect(want, reference.step())
+    reference.shutdown()
+
+    engine = _engine(folder)
+    _add(engine)
+    got: dict[str, list[int]] = {}
+    limits_s, resize_s = [], []
+    step = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        assert all(out.outputs[0].finish_reason in (None, "length") for out in outputs)
+        _collect(got, outputs)
+        step += 1
+        if step <= 100:
+            seqs, tokens, blocks = GPU_CHANGES[step % len(GPU_CHANGES)]
+            resizing = blocks != engine.block_manager.num_blocks
+            _, seconds = engine.reconfigure({"max_num_seqs": seqs,
+                                             "max_num_batched_tokens": tokens,
+                                             "num_kv_blocks": blocks})  # fmt: skip
+            (resize_s if resizing else limits_s).append(seconds)
+            engine.block_manager.check_invariants(engine.scheduler.running)
+    assert step > 100 and got == want
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    print(f"live changes on the GPU: {len(limits_s)} limits only, max {max(limits_s):.4f} s; "
+          f"{len(resize_s)} with a KV resize, mean {sum(resize_s) / len(resize_s):.3f} s, "
+          f"max {max(resize_s):.3f} s; {engine.scheduler.num_preemptions} preemptions")
+    assert max(limits_s) < 1.0
+    engine.shutdown()
