@@ -83,6 +83,17 @@ if [[ $PART == all || $PART == spec ]]; then
         --output-json "$OUT/throughput_256$tag.json"
   done
 fi
+if [[ $PART == all || $PART == spec ]]; then
+  # A draft model at a stated acceptance: the 7B copies its documents, a Qwen2.5-0.5B-shaped
+  # draft copies them missing 30 % of the tokens (acceptance about 70 %); plain 7B beside it.
+  DRAFT='{"method": "draft_model", "model": "qwen2.5-0.5b", "num_speculative_tokens": 4}'
+  for spec in "" "$DRAFT"; do
+    tag=$([[ -n $spec ]] && echo _draft || echo "")
+    $B.latency --model qwen2.5-7b --batch-size 1 --workload copy --document-len 2048 \
+        --copy-model --draft-copy-miss-rate 0.3 --output-len 128 --num-iters 3 \
+        ${spec:+--speculative-config "$spec"} --output-json "$OUT/latency_7b_copy$tag.json"
+  done
+fi
 if [[ $PART == all || $PART == lora ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tail -3
   $C.lora_bench --model qwen2.5-1.5b --steps 100 2>&1 | tail -8

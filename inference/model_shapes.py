@@ -1,4 +1,4 @@
-"""Named real-model shapes (``qwen2.5-1.5b``, ``qwen2.5-7b``, ``llama-3-8b``) served or
+"""Named real-model shapes (``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``qwen2.5-7b``, ``llama-3-8b``) served or
 benchmarked with random weights: the name resolves to a folder holding the exact
 config.json (and, for the server, a word-level tokenizer of the exact vocabulary).
 A 4-bit suffix (``qwen2.5-7b-awq``, ``-gptq``, ``-w4a16``) adds the quantization_config of
@@ -16,6 +16,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": {
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 1536,
         "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "eos_token_id": 151643,
+    },
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
         "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "eos_token_id": 151643,

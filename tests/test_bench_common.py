@@ -221,3 +221,43 @@ def test_latency_bench_with_a_copier_reports_full_copy_and_acceptance(tmp_path, 
     (result,) = json.loads(out.read_text())
     assert result["copy_model"] is True and result["copy_rate"] == 1.0
     assert result["acceptance_rate"] == 1.0 and result["mean_acceptance_length"] > 2.0
+
+
+def test_a_draft_copier_is_accepted_about_as_often_as_it_copies(tmp_path, monkeypatch):
+    """``--copy-model`` with a named-shape draft model: the draft is made a copier of the
+    same chain missing ``--draft-copy-miss-rate`` of its links, so its acceptance is
+    controlled; the target's output is still the chain, whatever the draft proposed."""
+    import shutil
+
+    from tiny_models import build_tiny_model
+
+    from inference import model_shapes
+    from inference.bench import latency
+    from inference.cli import build_parser
+
+    build_tiny_model(tmp_path / "m", "llama")
+    build_tiny_model(tmp_path / "d", "llama", num_hidden_layers=1, seed=3)
+    monkeypatch.setattr(latency, "resolve_shape_model",
+                        lambda model: (str(tmp_path / "m"), {"load_format": "dummy"}))
+
+    def draft_shape(name):  # the draft's named shape stands for the tiny draft folder
+        copy = tmp_path / f"draft-{len(list(tmp_path.glob('draft-*')))}"
+        shutil.copytree(tmp_path / "d", copy)
+        return str(copy), {"load_format": "dummy"}
+
+    monkeypatch.setattr(model_shapes, "shape_config",
+                        lambda name: {} if name == "tiny-draft" else None)
+    monkeypatch.setattr(model_shapes, "resolve_shape_model", draft_shape)
+    out = tmp_path / "r.json"
+    spec = '{"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 3}'
+    args = build_parser().parse_args([
+        "bench", "latency", "--model", "qwen2.5-1.5b", "--device", "cpu", "--workload", "copy",
+        "--copy-model", "--document-len", "48", "--output-len", "24", "--num-iters", "2",
+        "--draft-copy-miss-rate", "0.3", "--speculative-config", spec, "--num-kv-blocks", "64",
+        "--output-json", str(out),
+    ])
+    assert args.func(args) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["copy_rate"] == 1.0 and result["draft_copy_miss_rate"] == 0.3
+    assert result["speculative_method"] == "draft_model"
+    assert 0.3 < result["acceptance_rate"] < 0.95

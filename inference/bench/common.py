@@ -142,6 +142,11 @@ def add_workload_args(parser) -> None:
     parser.add_argument("--copy-miss-rate", type=float, default=0.0,
                         help="with --copy-model: the share of document tokens the model does "
                         "not copy (it emits a token of its own there)")
+    parser.add_argument("--draft-copy-miss-rate", type=float, default=0.3,
+                        help="with --copy-model and a named-shape draft model "
+                        "(--speculative-config '{\"method\": \"draft_model\", \"model\": "
+                        "\"qwen2.5-0.5b\"}'): the draft is a copier too, missing this share "
+                        "of the tokens the target copies (its acceptance rate, about)")
 
 
 def copy_model_folder(args, folder: str, extra: dict) -> None:
@@ -162,6 +167,30 @@ def copy_model_folder(args, folder: str, extra: dict) -> None:
     shape = json.loads(config_path.read_text())
     config_path.write_text(json.dumps(shape | {"tie_word_embeddings": False}))
     args.copy_chain = CopyChain(shape["vocab_size"], args.document_len, args.copy_miss_rate)
+    args.draft_copy_chain = _draft_copier(args, shape["vocab_size"])
+
+
+def _draft_copier(args, vocab_size: int):
+    """A named-shape draft model under ``--copy-model``: its folder made here (untied, and
+    with the target's vocabulary size, as Qwen2.5's small models pad theirs to the large
+    ones'), named in ``args.speculative_config``; the chain it follows (the target's chain
+    with ``--draft-copy-miss-rate`` of its links broken). None for other drafts."""
+    from inference.bench.copy_workload import CopyChain
+    from inference.model_shapes import resolve_shape_model, shape_config
+    from inference.spec_decode.config import parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None or spec.method != "draft_model" or shape_config(spec.model) is None:
+        return None
+    folder, _ = resolve_shape_model(spec.model)
+    config_path = Path(folder) / "config.json"
+    shape = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(shape | {"tie_word_embeddings": False,
+                                               "vocab_size": vocab_size}))
+    given = args.speculative_config
+    given = json.loads(given) if isinstance(given, str) else dict(given)
+    args.speculative_config = json.dumps(given | {"model": folder})
+    return CopyChain(vocab_size, args.document_len, args.draft_copy_miss_rate)
 
 
 def install_copy_model(args, engine) -> None:
@@ -170,6 +199,8 @@ def install_copy_model(args, engine) -> None:
         from inference.bench.copy_workload import make_copier
 
         make_copier(engine.runner.model, args.copy_chain)
+        if args.draft_copy_chain is not None:
+            make_copier(engine.spec_decoder.draft.runner.model, args.draft_copy_chain)
 
 
 def workload_input_len(args) -> int:
@@ -201,8 +232,11 @@ def workload_summary(args, prompts: list[list[int]], outputs) -> dict:
     from inference.bench.copy_workload import copy_rate
 
     generated = [o.outputs[0].token_ids for o in outputs]
-    copier = {"copy_model": True, "copy_miss_rate": args.copy_miss_rate} if getattr(
-        args, "copy_chain", None) is not None else {}  # fmt: skip
+    copier = {}
+    if getattr(args, "copy_chain", None) is not None:
+        copier = {"copy_model": True, "copy_miss_rate": args.copy_miss_rate}
+        if args.draft_copy_chain is not None:
+            copier["draft_copy_miss_rate"] = args.draft_copy_miss_rate
     return {"prompt_workload": "copy", "document_len": args.document_len, **copier,
             "prompt_len_mean": round(sum(map(len, prompts)) / len(prompts), 1),
             "copy_rate": round(copy_rate(prompts, generated), 4)}
