@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU issues measure, in one call: GPU parity tests, the throughput/latency
 # table, the serving benchmark and (on a 2-GPU machine) tensor parallelism.
-# Parts: all | parity | structured | bench | serve | tp | fp8 | int4 | spec | lora | long.
+# Parts: all | parity | structured | bench | serve | tp | fp8 | int4 | spec | lora | long | sim.
 # JSON results land in $OUT (or ./bench-out).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -108,6 +108,11 @@ if [[ $PART == all || $PART == long ]]; then
           --output-json "$OUT/latency_long_b${block}_$kv.json"
     done
   done
+fi
+if [[ $PART == all || $PART == sim ]]; then
+  # The tuning simulator's calibration (1.5B and 7B), with the live recapture time; copy
+  # the JSON to benchmarks/results/ and operator/pagoda_operator/tuning/sim/.
+  $C.sim_calibration --output-json "$OUT/sim_calibration_h200.json" 2>&1 | tail -3
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

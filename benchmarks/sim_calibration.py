@@ -18,6 +18,8 @@ For each named shape (random bf16 weights, engine defaults otherwise):
   first token), and a full step's token budget of such prompts at once.
 - **Preemption cost**: this engine preempts by recomputation, so the cost of preempting a
   sequence is the prefill of its whole context again (no prefix-cache hits: fresh tokens).
+- **Recapture** (``recapture_s``): every CUDA graph recorded again in the running engine,
+  what a live KV resize stalls it for (the start-up capture also compiles the kernels).
 
 The result is one JSON (``--output-json``) that ``operator/pagoda_operator/tuning/sim`` reads
 as data; the operator never imports this package. ``--smoke`` runs a tiny random shape on CPU
@@ -291,6 +293,9 @@ def _measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     decode, skipped = _decode_grid(engine, args, capacity)
     prefill = _prefill(llm, args)
     recompute = _recompute(llm, args)
+    # What a live KV resize stalls the engine for: every CUDA graph recorded again in the
+    # running engine (its kernels already compiled, unlike the start-up capture).
+    recapture_s = engine.runner.capture_graphs()
     result = {
         "shape": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -304,6 +309,7 @@ def _measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                             if engine.device.type == "cuda" else None),
         "startup_s": round(startup_s, 2),
         "startup_phases": engine.startup_phases,
+        "recapture_s": round(recapture_s, 2),
         "kv_capacity": _kv_capacity(engine, args.utilizations, measured),
         "decode": decode,
         "decode_skipped": skipped,

@@ -28,3 +28,21 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(row["tokens_s"] > 0 for row in model["prefill"])
     assert [row["context"] for row in model["recompute"]] == [64, 256]
     assert model["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K and V, layers, heads, dim, fp32
+    assert model["recapture_s"] == 0.0  # no CUDA graphs on CPU: nothing recorded again
+
+
+def test_the_simulator_takes_a_measured_recapture_over_the_start_up_capture():
+    """A live KV resize stalls for every graph recorded again in the running engine, whose
+    kernels are compiled: the calibration's ``recapture_s`` where it has one; the start-up
+    capture (compiles included) only without it."""
+    from pathlib import Path
+
+    from pagoda_operator.tuning.sim import engine as sim_engine
+
+    data = json.loads(Path(sim_engine.__file__).with_name("sim_calibration_h200.json")
+                      .read_text())  # fmt: skip
+    name = "qwen2.5-7b"
+    measured = data["models"][name]
+    start_up = measured["startup_phases"]["capture_s"]
+    assert sim_engine.fit(name, measured).capture_s == start_up
+    assert sim_engine.fit(name, measured | {"recapture_s": 3.0}).capture_s == 3.0

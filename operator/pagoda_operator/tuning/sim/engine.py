@@ -93,9 +93,12 @@ class EngineModel:
     max_num_batched_tokens: int
     startup_s: float
     provisional: bool
-    # CUDA-graph capture at start-up (measured), of ``capture_graphs`` graphs (the bench's
-    # limits): a live KV resize stalls the engine this long (every graph again), a raise
-    # past the captured batch records its missing graphs in the background for their share.
+    # CUDA-graph capture (measured), of ``capture_graphs`` graphs (the bench's limits): a
+    # live KV resize stalls the engine this long (every graph again), a raise past the
+    # captured batch records its missing graphs in the background for their share. The
+    # calibration's ``recapture_s`` where it has one (every graph captured again in the
+    # running engine, its kernels compiled: what a live change pays), else the start-up
+    # capture (which compiles the kernels first: an upper bound).
     capture_s: float = 0.0
     capture_graphs: int = 1
 
@@ -144,7 +147,8 @@ def fit(name: str, measured: dict, provisional: bool = False) -> EngineModel:
     return EngineModel(
         name, measured["kv_bytes_per_token"], kv_rows, decode, prefill, budget,
         POD_START_S + measured["startup_s"] + weights_s, provisional,
-        float((measured.get("startup_phases") or {}).get("capture_s", 0.0)),
+        float(measured.get("recapture_s")
+              or (measured.get("startup_phases") or {}).get("capture_s", 0.0)),
         len(_graph_shapes(measured["max_num_seqs"], budget)),
     )  # fmt: skip
 
