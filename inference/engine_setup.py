@@ -80,7 +80,7 @@ def build_engine(
         torch.manual_seed(config.seed)
     runner = make_runner(config, model_config, str(model_path))
     try:
-        if speculative is not None and speculative.method == "eagle":
+        if speculative is not None and speculative.method in ("eagle", "eagle3"):
             # The head reads the target's embedding and LM head: loaded after the target,
             # before profiling (which then counts its weights). One device (TP is refused).
             assert isinstance(runner, ModelRunner)

@@ -152,8 +152,9 @@ def plan_change(engine: Any, changes: dict[str, Any]) -> ChangePlan:
 
 def _check_sized_parts(engine: Any, after: dict[str, Any], resizes_kv: bool) -> None:
     """Refuses (409) what the parts sized at start-up beside the target cannot follow: a
-    drafter's KV cache (``draft_model``, ``eagle``) mirrors the target's block ids and is
-    not resized, and LoRA's per-token slot buffers hold the start-up step size."""
+    drafter's KV cache (``draft_model``, ``eagle``, ``eagle3``) mirrors the target's block
+    ids and is not resized, and LoRA's per-token slot buffers and an EAGLE-3 head's target
+    states hold the start-up step size."""
     spec = getattr(engine, "spec_decoder", None)
     if resizes_kv and spec is not None and spec.draft is not None:
         raise ReconfigureError(409, (
@@ -165,6 +166,12 @@ def _check_sized_parts(engine: Any, after: dict[str, Any], resizes_kv: bool) -> 
         raise ReconfigureError(409, (
             f"LoRA's per-token buffers hold steps of {loras.max_tokens} tokens (sized at "
             f"start-up); steps of {needed} need a restart with the new flags"))
+    model = getattr(engine.runner, "model", None)
+    aux = getattr(model, "aux_states", None)
+    if aux is not None and needed > aux.shape[0]:
+        raise ReconfigureError(409, (
+            f"the EAGLE-3 head's buffer of target states holds steps of {aux.shape[0]} tokens "
+            f"(sized at start-up); steps of {needed} need a restart with the new flags"))
 
 
 # How long an engine that stops waits for a capture thread to end (one graph's recording,

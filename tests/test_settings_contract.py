@@ -202,6 +202,8 @@ def test_quantization_reaches_the_engine_and_bad_values_are_refused() -> None:
      SpeculativeConfig("draft_model", 5, model="/models/draft")),
     ({"method": "eagle", "numSpeculativeTokens": 3, "draftModel": "/models/eagle-head"},
      SpeculativeConfig("eagle", 3, model="/models/eagle-head")),
+    ({"method": "eagle3", "numSpeculativeTokens": 3, "draftModel": "/models/eagle3-head"},
+     SpeculativeConfig("eagle3", 3, model="/models/eagle3-head")),
 ])
 def test_speculative_reaches_the_engine_as_asked(speculative, expected) -> None:
     args = deployment_args({"speculative": speculative})

@@ -70,8 +70,8 @@ def test_verify_rows_cover_each_rows_drafts_and_the_one_after():
 
 @pytest.mark.parametrize("given, message", [
     ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' needs model: the EAGLE head"),
-    ({"method": "eagle3", "model": "heads"},
-     "'eagle3' is not supported yet; supported: ['ngram', 'draft_model', 'eagle']"),
+    ({"method": "mtp", "model": "heads"},
+     "'mtp' is not supported yet; supported: ['ngram', 'draft_model', 'eagle', 'eagle3']"),
     ({"method": "eagle", "model": "h", "num_speculative_tokens": 3,
       "draft_tensor_parallel_size": 2}, "the eagle proposer runs on the target's one GPU"),
     ({"method": "mtp"}, "not supported yet"),

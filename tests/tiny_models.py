@@ -221,3 +221,99 @@ def build_eagle_head(
     else:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def eagle3_draft_targets(vocab: int, draft_vocab: int) -> torch.Tensor:
+    """The target id of each draft id in ``build_eagle3_head``'s heads: the 32 lowest ids
+    as they are, then every other id (so that ``d2t`` is not all zeros)."""
+    ids = torch.arange(draft_vocab)
+    return torch.where(ids < 32, ids, 32 + 2 * (ids - 32)) % vocab
+
+
+def build_eagle3_head(
+    folder: Path, target_folder: Path, seed: int = 0, draft_vocab: int | None = None,
+    qk_scale: float = 1.0, zero_outputs: bool = False, embed_copy: bool = False,
+    aux_layers: list[int] | None = None, norm_before_residual: bool = False,
+    fc: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head for the target in ``target_folder``, in the layout the EAGLE authors
+    publish: config.json (the target's Llama shape, one layer, architecture
+    ``LlamaForCausalLMEagle3``, ``draft_vocab_size``, optionally
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` with
+    ``fc.weight`` (H x 3H), ``midlayer.*`` (q/k/v 2H wide, ``hidden_norm``), ``norm.weight``,
+    ``lm_head.weight`` over ``draft_vocab`` ids, ``d2t`` (draft id -> target id offset:
+    ``eagle3_draft_targets``, not the identity) and ``t2d``. ``fc`` and ``lm_head``
+    replace the random ones; ``zero_outputs`` zeroes o_proj and down_proj (the layer then
+    passes its feature through). Returns the tensors (names as saved)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder, target_folder = Path(folder), Path(target_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target_folder / "config.json").read_text())
+    vocab = config["vocab_size"]
+    draft_vocab = draft_vocab or vocab // 2
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
+                  model_type="llama", draft_vocab_size=draft_vocab,
+                  norm_before_residual=norm_before_residual)  # fmt: skip
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    (folder / "config.json").write_text(json.dumps(config))
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config.get("head_dim") or hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    out_std = 0.0 if zero_outputs else 0.3
+    m = "midlayer."
+    targets = eagle3_draft_targets(vocab, draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[targets] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden, std=(3 * hidden) ** -0.5) if fc is None
+        else fc.clone(),
+        m + "input_layernorm.weight": 1 + rand(hidden, std=0.1),
+        m + "hidden_norm.weight": 1 + rand(hidden, std=0.1),
+        m + "post_attention_layernorm.weight": 1 + rand(hidden, std=0.1),
+        m + "self_attn.q_proj.weight": rand(heads * dim, 2 * hidden, std=0.2 * qk_scale),
+        m + "self_attn.k_proj.weight": rand(kv_heads * dim, 2 * hidden, std=0.2 * qk_scale),
+        m + "self_attn.v_proj.weight": rand(kv_heads * dim, 2 * hidden, std=0.2),
+        m + "self_attn.o_proj.weight": rand(hidden, heads * dim, std=out_std),
+        m + "mlp.gate_proj.weight": rand(inter, hidden, std=0.2),
+        m + "mlp.up_proj.weight": rand(inter, hidden, std=0.2),
+        m + "mlp.down_proj.weight": rand(hidden, inter, std=out_std),
+        "norm.weight": 1 + rand(hidden, std=0.1),
+        "lm_head.weight": rand(draft_vocab, hidden, std=hidden**-0.5 * 4) if lm_head is None
+        else lm_head.clone(),
+        "d2t": targets - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    if embed_copy:
+        (weights,) = target_folder.glob("*.safetensors")
+        tensors["embed_tokens.weight"] = load_file(weights)["model.embed_tokens.weight"]
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def build_successor_eagle3_head(folder: Path, target_folder: Path, model, successors: dict):
+    """An EAGLE-3 head for ``build_successor_model``'s target that drafts the token after
+    next: that model's residual stream is each token's embedding at every layer, so
+    ``fc = [I, 0, 0]`` makes the feature at p the embedding of token p, a layer passing it
+    through (``zero_outputs``) hands it to the LM head, whose row for
+    ``successors[successors[t]]`` is token t's embedding. One draft a step is then always
+    accepted; further drafts (fed the same feature back) are not."""
+    embed = model.model.embed_tokens.weight.detach()
+    vocab, hidden = embed.shape
+    draft_vocab = vocab // 2
+    draft_of = {int(t): i for i, t in enumerate(eagle3_draft_targets(vocab, draft_vocab))}
+    rows = torch.zeros(draft_vocab, hidden)
+    for token, successor in successors.items():
+        rows[draft_of[successors[successor]]] += embed[token]
+    fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], dim=1)
+    build_eagle3_head(folder, target_folder, draft_vocab=draft_vocab, zero_outputs=True,
+                      aux_layers=[1, 1, 1], fc=fc, lm_head=rows)

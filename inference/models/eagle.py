@@ -15,7 +15,8 @@ Checkpoint: ``config.json`` (a Llama config, ``num_hidden_layers`` usually 1) an
 is read as vLLM does, without it). ``embed_tokens.weight``, where present, is the target's
 table copied: the target's is used (as vLLM does), after checking its shape. The LM head
 is the target's. Anything else (an own ``lm_head``, ``d2t``/``t2d`` vocabulary maps, a
-``midlayer``: EAGLE-3; HASS or speculators names) is refused by name.
+``midlayer``: EAGLE-3, which ``inference.models.eagle3`` loads; HASS or speculators names)
+is refused by name.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def eagle_head_config(folder: Path, target: ModelConfig) -> ModelConfig:
     raw = json.loads(path.read_text())
     if "draft_vocab_size" in raw or raw.get("speculators_model_type"):
         raise ValueError(f"{folder} is not an EAGLE-1/2 head (an EAGLE-3 or speculators "
-                         f"config); supported: {SUPPORTED_LAYOUT}")
+                         f"config: EAGLE-3 heads load with method 'eagle3'); supported "
+                         f"here: {SUPPORTED_LAYOUT}")
     archs = raw.get("architectures") or []
     if not any(a in EAGLE_ARCHITECTURES for a in archs):
         raise ValueError(f"EAGLE head architecture {archs or '(none given)'} is not "
@@ -109,7 +111,7 @@ def load_eagle_head(
 ) -> EagleHead:
     """The head of ``folder`` on ``device``; ValueError, naming the supported layout, for
     weights it does not have or does not know."""
-    weights = dict(_read_weights(folder, device))
+    weights = dict(read_head_weights(folder, device))
     mapped = {}
     for name, weight in weights.items():
         target = _map_weight(name.removeprefix("model."), cfg)
@@ -144,7 +146,7 @@ def load_eagle_head(
     return head.eval()
 
 
-def _read_weights(folder: Path, device: torch.device):
+def read_head_weights(folder: Path, device: torch.device):
     """(name, tensor) of the head's safetensors files, or of its ``pytorch_model.bin`` (as
     the EAGLE authors publish theirs), read without running pickled code."""
     if any(folder.glob("*.safetensors")):
@@ -175,7 +177,7 @@ def _map_weight(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | Non
         return None
     if name in _EAGLE3_MARKS or name.startswith("midlayer."):
         raise ValueError(f"EAGLE head weight {name!r} belongs to another layout (EAGLE-3: "
-                         f"method 'eagle3', not supported yet); supported: {SUPPORTED_LAYOUT}")
+                         f"load it with method 'eagle3'); supported here: {SUPPORTED_LAYOUT}")
     parts = name.split(".")
     if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
         raise ValueError(f"unexpected EAGLE head weight {name!r}; expected {SUPPORTED_LAYOUT}")

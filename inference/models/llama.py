@@ -249,6 +249,18 @@ class LlamaForCausalLM(nn.Module):
             build_cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling),
             persistent=False,
         )
+        # An EAGLE-3 head reads the residual stream entering some layers (``keep_aux``).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_states: torch.Tensor | None = None
+
+    def keep_aux(self, layers: tuple[int, ...], max_tokens: int) -> None:
+        """From now on each forward also writes the residual stream entering ``layers``
+        into ``aux_states`` [max_tokens, len(layers), hidden] (a fixed buffer: CUDA graphs
+        captured after this write it too), row t for token t."""
+        self.aux_layers = tuple(layers)
+        self.aux_states = torch.zeros(max_tokens, len(layers), self.config.hidden_size,
+                                      dtype=self.embed_tokens.dtype,
+                                      device=self.embed_tokens.device)  # fmt: skip
 
     def forward(
         self,
@@ -265,7 +277,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = nn.functional.embedding(input_ids, self.embed_tokens)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.aux_layers:
+                stream = hidden if residual is None else hidden + residual
+                for slot, layer_id in enumerate(self.aux_layers):  # an id may repeat
+                    if layer_id == i:
+                        self.aux_states[: len(stream), slot].copy_(stream)
             hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache, meta)
         hidden, _ = kernels.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         return hidden

@@ -27,7 +27,9 @@ from inference.layers.kv_cache import kv_block_bytes
 from inference.lora.device import DeviceLoRAs
 from inference.lora.request import LoRARequest
 from inference.lora.slots import LoRASlotTable
+from inference.model_files import resolve_model
 from inference.models.config import ModelConfig
+from inference.models.eagle3 import aux_layer_ids
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.runner.cuda_graphs import DECODE_GRAPH_BATCHES, GraphExtension, StepGraphs
@@ -79,8 +81,14 @@ class ModelRunner:
         self.sampler = Sampler()
         # EAGLE drafts from the target's hidden states: each step hands them out
         # (``StepHandle.hidden_states``); otherwise a step keeps no reference to them.
+        # EAGLE-3's are the residual stream entering three layers (3 x hidden a token).
         speculative = config.speculative()
-        self.keep_hidden_states = speculative is not None and speculative.method == "eagle"
+        self.keep_hidden_states = speculative is not None and speculative.method in (
+            "eagle", "eagle3")  # fmt: skip
+        if speculative is not None and speculative.method == "eagle3":
+            layers = aux_layer_ids(resolve_model(speculative.model), model_config.num_layers)
+            self.model.keep_aux(layers, max(config.max_num_batched_tokens,
+                                            config.max_num_seqs))  # fmt: skip
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs: StepGraphs | None = None
@@ -399,7 +407,10 @@ class ModelRunner:
                 self.model.compute_logits, hidden, inputs.query_start_loc,
                 sampling.prompt_logprobs,
             )  # fmt: skip
-        kept = hidden if self.keep_hidden_states else None
+        kept = None
+        if self.keep_hidden_states:
+            aux = self.model.aux_states
+            kept = hidden if aux is None else aux[: hidden.shape[0]].flatten(1)
         if not sample_rows:
             return StepHandle(None, prompt_logprobs, kept)
         last_rows = inputs.query_start_loc[1:][sample_rows] - 1

@@ -5,9 +5,10 @@
 ``LLM(speculative_config=...)``), or ``{"method": "draft_model", "model": PATH,
 "num_speculative_tokens": 4}`` (a smaller model sharing the target's tokenizer), or
 ``{"method": "eagle", "model": PATH, "num_speculative_tokens": 3}`` (an EAGLE-1/2 head fed
-the target's hidden states, ``inference.spec_decode.eagle``). The other methods vLLM knows
-(EAGLE-3, MTP, ...) are refused by name, so a vLLM command line fails with a sentence
-instead of running without the heads it asked for.
+the target's hidden states, ``inference.spec_decode.eagle``), or ``"method": "eagle3"`` (an
+EAGLE-3 head, fed three of the target's layers). The other methods vLLM knows (MTP,
+Medusa, ...) are refused by name, so a vLLM command line fails with a sentence instead of
+running without the heads it asked for.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # The methods whose proposer is a model with its own KV cache (the rest: n-gram lookup).
-MODEL_METHODS = ("draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Known to vLLM, not built here (yet).
-UNBUILT_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+UNBUILT_METHODS = ("mtp", "medusa", "mlp_speculator", "suffix")
 # Above this many running sequences a step does not speculate: verifying k drafts per row
 # multiplies the step's tokens by up to k + 1, which pays at small batches (memory-bound
 # decode) and costs at large ones (compute-bound). Conservative until measured on the
@@ -51,6 +52,7 @@ _KEYS = {
     # draft_tensor_parallel_size: vLLM's key; only 1 (the draft runs beside the target).
     "draft_model": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
     "eagle": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
+    "eagle3": (*_COMMON_KEYS, "model", "draft_tensor_parallel_size"),
 }
 
 
@@ -98,7 +100,8 @@ def _method(value: dict[str, Any]) -> str:
     if method is None and isinstance(model, str):
         method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
         if method == "draft_model" and "eagle" in model.lower():
-            method = "eagle"  # vLLM reads an EAGLE head from its name the same way
+            # vLLM reads an EAGLE head from its name the same way
+            method = "eagle3" if "eagle3" in model.lower() else "eagle"
     if method in UNBUILT_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not supported yet; "
                          f"supported: {list(SUPPORTED_METHODS)}")
@@ -111,9 +114,9 @@ def _method(value: dict[str, Any]) -> str:
 def _draft_model(method: str, value: dict[str, Any]) -> str:
     model = value.get("model")
     if not isinstance(model, str) or not model:
-        what = ("the EAGLE head's folder (or hub id), trained for the target" if method ==
-                "eagle" else "the draft model's folder (or hub id), sharing the target's "
-                "tokenizer")  # fmt: skip
+        what = ("the EAGLE head's folder (or hub id), trained for the target" if method in
+                ("eagle", "eagle3") else "the draft model's folder (or hub id), sharing the "
+                "target's tokenizer")  # fmt: skip
         raise ValueError(f"speculative_config method {method!r} needs model: {what}")
     draft_tp = value.get("draft_tensor_parallel_size", 1)
     if draft_tp != 1:

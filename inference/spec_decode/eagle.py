@@ -1,5 +1,9 @@
 """The EAGLE proposer: a draft head fed the target's hidden states guesses the next ``k``
-tokens, one head forward per token, before the target verifies them.
+tokens, one head forward per token, before the target verifies them. EAGLE-1/2 heads
+(``inference.models.eagle``) read the target's final hidden states and its LM head;
+EAGLE-3 heads (``inference.models.eagle3``) read the residual stream entering three target
+layers (the runner keeps them: ``LlamaForCausalLM.keep_aux``) and their own LM head over a
+draft vocabulary. Everything below holds for both: a "feature" is whatever the head reads.
 
 The head (``inference.models.eagle``) at position p reads token p + 1 and the target's
 feature at p, so its KV at p can be written once both are known: the target has computed p
@@ -46,6 +50,7 @@ from inference.layers.kv_cache import kv_block_bytes
 from inference.model_files import resolve_model
 from inference.models.config import ModelConfig
 from inference.models.eagle import eagle_head_config, load_eagle_head
+from inference.models.eagle3 import Eagle3Head, eagle3_head_config, load_eagle3_head
 from inference.models.llama import LlamaForCausalLM
 from inference.runner.step_inputs import StepInputs
 from inference.sequence import Sequence
@@ -89,12 +94,19 @@ class EagleProposer:
         self, target: ResolvedEngineConfig, target_model_config: ModelConfig,
         spec: SpeculativeConfig, target_model: LlamaForCausalLM,
     ) -> None:
+        self.device = target_model.embed_tokens.device
         try:
             folder = resolve_model(spec.model)
-            config = eagle_head_config(folder, target_model_config)
-            self.device = target_model.embed_tokens.device
-            self.head = load_eagle_head(folder, config, target_model.embed_tokens,
-                                        target.torch_dtype, self.device, target.max_model_len)
+            if spec.method == "eagle3":
+                config, draft_vocab, norm_first = eagle3_head_config(folder, target_model_config)
+                self.head = load_eagle3_head(
+                    folder, config, draft_vocab, norm_first, target_model.embed_tokens,
+                    target.torch_dtype, self.device, target.max_model_len)  # fmt: skip
+            else:
+                config = eagle_head_config(folder, target_model_config)
+                self.head = load_eagle_head(folder, config, target_model.embed_tokens,
+                                            target.torch_dtype, self.device,
+                                            target.max_model_len)  # fmt: skip
         except (ValueError, OSError) as exc:
             raise ValueError(f"speculative_config EAGLE head {spec.model!r}: {exc}") from None
         self.config = config
@@ -105,8 +117,12 @@ class EagleProposer:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._states: weakref.WeakKeyDictionary[Sequence, _HeadState] = (
             weakref.WeakKeyDictionary())
-        logger.info("EAGLE head %s: %d layer(s), fc bias %s", spec.model, config.num_layers,
-                    self.head.fc_bias is not None)  # fmt: skip
+        if spec.method == "eagle3":
+            logger.info("EAGLE-3 head %s: target layers %s, draft vocabulary %d", spec.model,
+                        list(target_model.aux_layers), self.head.lm_head.shape[0])  # fmt: skip
+        else:
+            logger.info("EAGLE head %s: %d layer(s), fc bias %s", spec.model,
+                        config.num_layers, self.head.fc_bias is not None)  # fmt: skip
 
     @property
     def bytes_per_block(self) -> int:
@@ -247,6 +263,8 @@ class EagleProposer:
                          self.kv_caches, meta)  # fmt: skip
 
     def _argmax(self, outputs: torch.Tensor) -> list[int]:
+        if isinstance(self.head, Eagle3Head):  # its own norm, LM head and vocabulary
+            return self.head.draft_ids(outputs).tolist()
         return self.target.compute_logits(outputs).argmax(dim=-1).tolist()
 
 

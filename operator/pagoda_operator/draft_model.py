@@ -1,7 +1,7 @@
 """The speculative draft model (``spec.engine.speculative.draftModel``): where it lives.
 
-Methods ``draft_model`` and ``eagle`` read a second model folder: the draft, or the EAGLE
-head. An absolute path is a folder already in the engine container. An ``hf://`` or
+Methods ``draft_model``, ``eagle`` and ``eagle3`` read a second model folder: the draft, or
+the EAGLE head. An absolute path is a folder already in the engine container. An ``hf://`` or
 ``s3://`` URI is delivered like the model: the loader Job downloads it, with the same
 ``pagoda download`` CLI and the same credentials handling (``draftCredentialsSecret``,
 ``draftEndpoint``, as ``spec.model.source``'s), into a folder of its own under ``draft/``
@@ -30,7 +30,7 @@ DRAFT_VOLUME = "draft-cache"
 DRAFT_CONTAINER = "draft"
 # Set on the draft's loader container, so a failure can name the draft.
 DRAFT_MODEL_ENV = "PAGODA_DRAFT_MODEL"
-DRAFT_METHODS = ("draft_model", "eagle")
+DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 def downloaded_draft(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -71,7 +71,7 @@ def draft_model_errors(where: str, speculative: dict[str, Any]) -> list[str]:
     if method not in DRAFT_METHODS:
         if draft is not None or extras:
             return [f"{where}: draftModel, draftEndpoint and draftCredentialsSecret go with "
-                    "methods draft_model and eagle"]
+                    "methods draft_model, eagle and eagle3"]
         return []
     if not draft:
         return [f"{where}.draftModel: required with method {method}"]

@@ -26,7 +26,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # The engine's --quantization choices (tests/test_settings_contract.py keeps them equal).
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 # The engine's speculative_config methods (tests/test_settings_contract.py keeps them equal).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 TUNING_MODES = ("Off", "Recommend", "Auto")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")

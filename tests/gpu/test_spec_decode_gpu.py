@@ -13,9 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 from differential import Reference, Req, Workload, compare, setting_id
 from gpu_matrix import FP32_TOL, GPU_MATRIX, run_matrix_row
-from tiny_models import build_eagle_head, build_successor_model, build_tiny_model
+from tiny_models import (
+    build_eagle3_head,
+    build_eagle_head,
+    build_successor_eagle3_head,
+    build_successor_model,
+    build_tiny_model,
+)
 
 from inference import LLM, SamplingParams
 
@@ -147,10 +154,19 @@ def eagle_heads(tmp_path_factory, cycling):
     build_tiny_model(target, "llama", qk_scale=2.0)
     random_head = tmp_path_factory.mktemp("eagle-random-head")
     build_eagle_head(random_head, target, seed=5, qk_scale=3.0)
-    return {"cycling": (folder, str(cycling_head)), "random": (str(target), str(random_head))}
+    # EAGLE-3: the head that drafts the cycling model's token after next (one draft a step,
+    # always accepted), and a random head over the random target's layer 1 (its only
+    # inner layer) on a target state the CUDA graphs record.
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    cycling3 = tmp_path_factory.mktemp("eagle3-cycling-head")
+    build_successor_eagle3_head(cycling3, folder, model, CYCLES)
+    random3 = tmp_path_factory.mktemp("eagle3-random-head")
+    build_eagle3_head(random3, target, seed=5, qk_scale=3.0, aux_layers=[1, 1, 1])
+    return {"cycling": (folder, str(cycling_head)), "random": (str(target), str(random_head)),
+            "cycling-eagle3": (folder, str(cycling3)), "random-eagle3": (str(target), str(random3))}
 
 
-@pytest.mark.parametrize("pair", ["cycling", "random"])
+@pytest.mark.parametrize("pair", ["cycling", "random", "cycling-eagle3", "random-eagle3"])
 @pytest.mark.parametrize("engine", [
     {},  # CUDA graphs, async scheduling
     {"async_scheduling": False},
@@ -166,7 +182,9 @@ def test_eagle_greedy_output_is_unchanged(eagle_heads, pair, engine):
               for i in range(len(prompts))]  # fmt: skip
     settings = {"device": "cuda", "dtype": "float32", "max_model_len": 160, "block_size": 4,
                 "seed": 0, "num_kv_blocks": 400, **engine}  # fmt: skip
-    eagle = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    method = "eagle3" if pair.endswith("eagle3") else "eagle"
+    eagle = {"method": method, "model": head,
+             "num_speculative_tokens": 1 if pair == "cycling-eagle3" else 3}
     with LLM(folder, **settings) as plain:
         want = plain.generate(prompts, params, use_tqdm=False)
     with LLM(folder, speculative_config=eagle, **settings) as spec:

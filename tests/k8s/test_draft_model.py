@@ -203,7 +203,7 @@ def test_a_cached_draft_is_said() -> None:
         ({**DRAFT, "draftModel": "models/draft"}, "an absolute path in the engine container"),
         ({**DRAFT, "draftModel": "/models/draft"}, "draftEndpoint and draftCredentialsSecret go"),
         ({"method": "ngram", "numSpeculativeTokens": 4, "draftEndpoint": "http://x"},
-         "go with methods draft_model and eagle"),
+         "go with methods draft_model, eagle and eagle3"),
     ],
 )
 def test_bad_drafts_are_refused(speculative: dict[str, Any], expected: str,
@@ -215,8 +215,9 @@ def test_bad_drafts_are_refused(speculative: dict[str, Any], expected: str,
 
 
 def test_the_crd_accepts_the_draft_forms(crd: dict[str, Any]) -> None:
-    for speculative in (DRAFT, EAGLE, {**DRAFT, "draftModel": "/models/draft",
-                                       "draftCredentialsSecret": None}):  # fmt: skip
+    for speculative in (DRAFT, EAGLE, {**EAGLE, "method": "eagle3"},
+                        {**DRAFT, "draftModel": "/models/draft",
+                         "draftCredentialsSecret": None}):  # fmt: skip
         obj = llmd({k: v for k, v in speculative.items() if v is not None})
         assert validation_errors(crd, obj) == []
         assert validate_spec(with_defaults(obj["spec"])) == []
