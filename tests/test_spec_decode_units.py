@@ -30,9 +30,12 @@ def reference_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> lis
         if len(tokens) <= n:
             continue
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+        starts = [start for start in range(len(tokens) - n - 1, -1, -1)
+                  if tokens[start : start + n] == suffix]  # most recent first
+        full = [start for start in starts if start + n + k <= len(tokens)]
+        if starts:
+            start = (full or starts)[0]
+            return tokens[start + n : start + n + k]
     return []
 
 
@@ -53,6 +56,17 @@ def test_proposer_prefers_the_longest_then_the_most_recent_match():
     assert NgramProposer(2, 1, 1).propose(tokens) == [9, 4]
     assert proposer.propose(tokens, max_drafts=1) == [7]
     assert proposer.propose(np.array([1, 2, 3])) == []
+
+
+def test_proposer_reads_a_repeating_run_from_where_k_tokens_follow():
+    """Output that repeats a short period: the last occurrence of the suffix is one period
+    back, with fewer than k tokens after it; an earlier one proposes all k (the same
+    tokens the period continues with)."""
+    proposer = NgramProposer(4, 2, 2)
+    tokens = np.array([9, 5, 6, 5, 6, 5, 6, 5, 6])
+    assert proposer.propose(tokens) == [5, 6, 5, 6]  # from the first 5 6, not the last
+    assert proposer.propose(np.array([9, 5, 6, 5, 6])) == [5, 6]  # none has 4 after it
+    assert NgramProposer(4, 1, 1).propose(np.array([7, 7, 7, 7, 7, 7])) == [7, 7, 7, 7]
 
 
 def test_token_history_grows_with_only_the_new_tokens():

@@ -5,7 +5,10 @@ repeats the user's words) continues text that already appeared. For a sequence w
 tokens end in ``t[-n:]``, find the most recent earlier place those ``n`` tokens occur in
 its prompt + output and propose the ``k`` tokens that followed there; try the longest
 ``n`` first (``prompt_lookup_max`` down to ``prompt_lookup_min``), as a longer match
-predicts better. No model runs: a proposal costs one vectorised scan of the history.
+predicts better. A match too close to the end to have ``k`` tokens after it (text that
+repeats a short period: the last occurrence is one period back) gives way to the most
+recent one that has them, which proposes the same tokens, only more of them. No model
+runs: a proposal costs one vectorised scan of the history.
 
 Each sequence's history is kept as a growing numpy array (``TokenHistory``), appended with
 only the tokens that arrived since the last proposal, so a step copies no whole prompts.
@@ -56,27 +59,25 @@ class NgramProposer:
             return []
         last = tokens[-1]
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = _most_recent_match(tokens, n, last)
+            start = _most_recent_match(tokens, n, last, k)
             if start is not None:
                 return tokens[start + n : start + n + k].tolist()
         return []
 
 
-def _most_recent_match(tokens: np.ndarray, n: int, last: np.int64) -> int | None:
-    """The largest start ``i < len(tokens) - n`` with ``tokens[i:i+n] == tokens[-n:]``.
-    Candidates are first narrowed to where the suffix's last token occurs, so the scan is
-    one comparison per token plus ``n`` per candidate."""
+def _most_recent_match(tokens: np.ndarray, n: int, last: np.int64, k: int) -> int | None:
+    """The largest start ``i < len(tokens) - n`` with ``tokens[i:i+n] == tokens[-n:]`` and
+    ``k`` tokens after the match, else the largest such start. Candidates are first
+    narrowed to where the suffix's last token occurs, so the scan is one comparison per
+    token plus ``n`` per candidate."""
     length = len(tokens)
     # Window starting at i ends at i + n - 1 <= length - 2: strictly before the suffix.
-    ends = np.flatnonzero(tokens[n - 1 : length - 1] == last)
-    if ends.size == 0:
+    starts = np.flatnonzero(tokens[n - 1 : length - 1] == last)  # = window starts
+    if starts.size and n > 1:
+        suffix = tokens[length - n : length - 1]
+        offsets = starts[:, None] + np.arange(n - 1)
+        starts = starts[(tokens[offsets] == suffix).all(axis=1)]
+    if starts.size == 0:
         return None
-    if n == 1:
-        return int(ends[-1])
-    suffix = tokens[length - n : length - 1]
-    starts = ends  # window start = end index in tokens - (n - 1) = position in the slice
-    offsets = starts[:, None] + np.arange(n - 1)
-    matches = np.flatnonzero((tokens[offsets] == suffix).all(axis=1))
-    if matches.size == 0:
-        return None
-    return int(starts[matches[-1]])
+    full = starts[starts + n + k <= length]  # a continuation of k tokens
+    return int(full[-1] if full.size else starts[-1])
