@@ -57,12 +57,16 @@ def _eagle(folder: str, k: int = 3, **extra) -> dict:
     return {"method": "eagle", "model": folder, "num_speculative_tokens": k, **extra}
 
 
-@pytest.mark.parametrize("engine", [
+# Engine settings the copying-model tests run under (EAGLE-3's too).
+COPYING_ENGINES = [
     {"async_scheduling": True},
     {"async_scheduling": False, "enable_prefix_caching": False},
     {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill; budget trims drafts
     {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
-])
+]
+
+
+@pytest.mark.parametrize("engine", COPYING_ENGINES)
 def test_eagle_greedy_output_is_unchanged_on_a_copying_model(cycling, engine):
     folder, tokenizer, head = cycling
     prompts, params = _cycling_workload(tokenizer)
@@ -105,10 +109,10 @@ class _Reference:
             inputs = torch.cat([inputs, step])
 
 
-def test_eagle_drafts_are_the_heads_computed_from_the_targets_features(random_pair):
+def record_drafts(target: str, speculative: dict, check_engine=None):
     """Randomized prompt lengths and arrival steps, chunked prefill, async scheduling: the
-    head's paged KV and the features it is fed must match a from-scratch forward."""
-    target, head, tensors = random_pair
+    plain engine's outputs, the speculative one's, and every (known tokens, drafts) the
+    proposer made. ``check_engine``: called with the speculative engine once built."""
     rng = random.Random(3)
     requests = [([rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))],
                  SamplingParams(temperature=0, max_tokens=rng.randrange(4, 16),
@@ -116,12 +120,13 @@ def test_eagle_drafts_are_the_heads_computed_from_the_targets_features(random_pa
                 for _ in range(7)]  # fmt: skip
     settings = {"max_model_len": 64, "block_size": 4, "seed": 0, "num_kv_blocks": 200,
                 "max_num_batched_tokens": 16}  # fmt: skip
-    results = {}
+    results = []
     recorded: list[tuple[list[int], list[int]]] = []
-    for name, speculative in (("plain", None), ("eagle", _eagle(head))):
-        llm = LLM(target, speculative_config=speculative, **settings)
-        engine = llm.engine
-        if speculative is not None:
+    for config in (None, speculative):
+        engine = LLM(target, speculative_config=config, **settings).engine
+        if config is not None:
+            if check_engine is not None:
+                check_engine(engine)
             proposer = engine.spec_decoder.draft
             propose = proposer.propose
 
@@ -140,18 +145,24 @@ def test_eagle_drafts_are_the_heads_computed_from_the_targets_features(random_pa
                 if output.finished:
                     outputs[output.request_id] = output.outputs[0].token_ids
             step += 1
-        results[name] = outputs
-    assert results["eagle"] == results["plain"]
+        results.append(outputs)
+    return results[0], results[1], recorded
+
+
+def test_eagle_drafts_are_the_heads_computed_from_the_targets_features(random_pair):
+    """The head's paged KV and the features it is fed must match a from-scratch forward
+    (``record_drafts``' workload)."""
+    target, head, tensors = random_pair
+    plain, eagle, recorded = record_drafts(target, _eagle(head))
+    assert eagle == plain
     assert len(recorded) > 20
     reference = _Reference(target, tensors)
     for tokens, drafts in recorded:
         reference.check(tokens, drafts)
 
 
-def test_eagle_is_lossless_on_randomized_workloads(random_pair, cycling):
-    """Stop strings, min_tokens, logprobs, shared prefixes (prefix-cache hits), preemption;
-    a random head (drafts rarely accepted) and the cycling head (mostly accepted)."""
-    target, head, _ = random_pair
+def randomized_workload():
+    """Stop strings, min_tokens, logprobs, half the prompts sharing a prefix."""
     rng = random.Random(4)
     prefix = [rng.randrange(3, 300) for _ in range(9)]
     prompts, params = [], []
@@ -163,6 +174,14 @@ def test_eagle_is_lossless_on_randomized_workloads(random_pair, cycling):
             logprobs=rng.choice([None, 1, 3]), min_tokens=rng.choice([0, 0, 4]),
             stop=[" the"] if i % 3 == 0 else None,
         ))
+    return prompts, params
+
+
+def test_eagle_is_lossless_on_randomized_workloads(random_pair, cycling):
+    """Stop strings, min_tokens, logprobs, shared prefixes (prefix-cache hits), preemption;
+    a random head (drafts rarely accepted) and the cycling head (mostly accepted)."""
+    target, head, _ = random_pair
+    prompts, params = randomized_workload()
     spec = _compare(target, prompts, params, require_acceptance=False, speculative=_eagle(head),
                     num_kv_blocks=14, max_num_batched_tokens=16, max_model_len=48)
     assert spec.engine.scheduler.num_preemptions > 0

@@ -14,11 +14,10 @@ output token for token."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from test_spec_decode import CYCLES, _acceptance, _compare, _cycling_workload, _summary
+from test_spec_decode_eagle import COPYING_ENGINES, randomized_workload, record_drafts
 from tiny_models import (
     build_eagle3_head,
     build_successor_eagle3_head,
@@ -53,12 +52,7 @@ def cycling(tmp_path_factory):
     return str(path), tokenizer, str(head)
 
 
-@pytest.mark.parametrize("engine", [
-    {"async_scheduling": True},
-    {"async_scheduling": False, "enable_prefix_caching": False},
-    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill
-    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
-])
+@pytest.mark.parametrize("engine", COPYING_ENGINES)
 def test_eagle3_greedy_output_is_unchanged_on_a_copying_model(cycling, engine):
     folder, tokenizer, head = cycling
     prompts, params = _cycling_workload(tokenizer)
@@ -135,44 +129,15 @@ class _Reference:
 
 
 def test_eagle3_drafts_are_the_heads_computed_from_the_targets_layers(random_pair):
-    """Randomized prompt lengths and arrival steps, chunked prefill, async scheduling: the
-    target states the runner keeps, the head's paged KV and its draft vocabulary must match
-    a from-scratch forward."""
+    """The target states the runner keeps, the head's paged KV and its draft vocabulary
+    must match a from-scratch forward (``record_drafts``' randomized workload)."""
     target, head, tensors = random_pair
-    rng = random.Random(3)
-    requests = [([rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))],
-                 SamplingParams(temperature=0, max_tokens=rng.randrange(4, 16),
-                                ignore_eos=True), rng.randrange(0, 12))
-                for _ in range(7)]  # fmt: skip
-    settings = {"max_model_len": 64, "block_size": 4, "seed": 0, "num_kv_blocks": 200,
-                "max_num_batched_tokens": 16}  # fmt: skip
-    results = {}
-    recorded: list[tuple[list[int], list[int]]] = []
-    for name, speculative in (("plain", None), ("eagle3", _eagle3(head))):
-        llm = LLM(target, speculative_config=speculative, **settings)
-        engine = llm.engine
-        if speculative is not None:
-            assert engine.runner.model.aux_layers == tuple(AUX)
-            proposer = engine.spec_decoder.draft
-            propose = proposer.propose
 
-            def recording(seqs, propose=propose):
-                propose(seqs)
-                recorded.extend((list(s.token_ids), list(s.draft_token_ids)) for s in seqs
-                                if s.draft_token_ids)  # fmt: skip
+    def check(engine):
+        assert engine.runner.model.aux_layers == tuple(AUX)
 
-            proposer.propose = recording
-        outputs, step = {}, 0
-        while step < 12 or engine.has_unfinished_requests():
-            for i, (prompt, params, arrival) in enumerate(requests):
-                if arrival == step:
-                    engine.add_request(str(i), prompt, params)
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id] = output.outputs[0].token_ids
-            step += 1
-        results[name] = outputs
-    assert results["eagle3"] == results["plain"]
+    plain, eagle3, recorded = record_drafts(target, _eagle3(head), check)
+    assert eagle3 == plain
     assert len(recorded) > 20
     assert any(d >= 33 for _, drafts in recorded for d in drafts)  # through a d2t offset
     reference = _Reference(target, tensors)
@@ -184,17 +149,7 @@ def test_eagle3_is_lossless_on_randomized_workloads(random_pair):
     """Stop strings, min_tokens, logprobs, shared prefixes (prefix-cache hits), preemption,
     with a random head (drafts rarely accepted)."""
     target, head, _ = random_pair
-    rng = random.Random(4)
-    prefix = [rng.randrange(3, 300) for _ in range(9)]
-    prompts, params = [], []
-    for i in range(8):
-        tail = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 14))]
-        prompts.append(prefix + tail if i % 2 else tail)
-        params.append(SamplingParams(
-            temperature=0, max_tokens=rng.randrange(5, 20), ignore_eos=rng.random() < 0.5,
-            logprobs=rng.choice([None, 1, 3]), min_tokens=rng.choice([0, 0, 4]),
-            stop=[" the"] if i % 3 == 0 else None,
-        ))
+    prompts, params = randomized_workload()
     spec = _compare(target, prompts, params, require_acceptance=False,
                     speculative=_eagle3(head), num_kv_blocks=14, max_num_batched_tokens=16,
                     max_model_len=48)  # fmt: skip

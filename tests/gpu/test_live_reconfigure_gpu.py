@@ -52,15 +52,21 @@ def _collect(outputs: dict[str, list[int]], step_outputs) -> None:
         outputs[out.request_id] = list(out.outputs[0].token_ids)
 
 
-def test_a_raise_past_the_graphs_captures_in_the_background_and_keeps_the_tokens(
-    folder, monkeypatch
-):
+def _unchanged_tokens(folder: str) -> dict[str, list[int]]:
+    """Every request's greedy tokens from an engine that never changed."""
     reference = _engine(folder)
     _add(reference)
     want: dict[str, list[int]] = {}
     while reference.has_unfinished_requests():
         _collect(want, reference.step())
     reference.shutdown()
+    return want
+
+
+def test_a_raise_past_the_graphs_captures_in_the_background_and_keeps_the_tokens(
+    folder, monkeypatch
+):
+    want = _unchanged_tokens(folder)
 
     steps = [0]
     recording: dict[str, int] = {}
@@ -144,12 +150,7 @@ def test_outputs_unchanged_across_100_live_changes_under_load(folder):
     most): every request ends with exactly the tokens of an engine that never changed,
     none fails, every KV block comes back, and each change without a KV resize is in
     effect at once (under 1 s; the issue's bound). Prints the change times."""
-    reference = _engine(folder)
-    _add(reference)
-    want: dict[str, list[int]] = {}
-    while reference.has_unfinished_requests():
-        _collect(want, reference.step())
-    reference.shutdown()
+    want = _unchanged_tokens(folder)
 
     engine = _engine(folder)
     _add(engine)
