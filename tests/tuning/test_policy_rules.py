@@ -624,7 +624,8 @@ def test_raise_that_cost_throughput_is_reverted_and_not_retried() -> None:
     assert (decision.action, decision.knob, decision.old, decision.new) == (
         "revert", MAX_NUM_SEQS, 128, 64,
     )  # fmt: skip
-    assert "tokens processed (prompt + generated) 5000 -> 2000/s" in decision.reason
+    assert "tokens processed (prompt + generated) 5000 -> 2000/s, generated 5000 -> 2000/s" in (
+        decision.reason)
     assert run.settings[MAX_NUM_SEQS] == 64
     # The same queue again: 128 was tried and failed, so the tuner adds a replica instead.
     run.wait_cooldown(QUEUED_WITH_FREE_KV)
@@ -646,6 +647,23 @@ def test_a_raise_is_judged_on_the_engines_work_not_on_generated_tokens_alone() -
     assert decision.action == "hold" and decision.verdict is not None, decision
     assert decision.verdict.startswith("kept maxNumSeqs 64 -> 128"), decision.verdict
     assert run.settings[MAX_NUM_SEQS] == 128
+
+
+def test_a_raise_is_not_reverted_for_a_window_in_which_no_request_was_admitted() -> None:
+    """Prompt tokens come with admissions, which wait for requests to finish: a window in
+    which none finished admits none, and the engines' work looks cut by the missing
+    prefill while decoding goes on about as fast (the live CPU test's numbers, where a
+    raise that served as fast was reverted). Generated tokens held: kept."""
+    before = dataclasses.replace(QUEUED_WITH_FREE_KV, generation_tokens_per_s=6.667,
+                                 prompt_tokens_per_s=32.0)  # fmt: skip
+    run = Run(settings(seqs=64), limits())
+    run.until_change(before)
+    run.step(window())
+    no_admission = dataclasses.replace(before, generation_tokens_per_s=5.324,
+                                       prompt_tokens_per_s=0.0)  # fmt: skip
+    decision = run.step(no_admission)
+    assert decision.action == "hold" and decision.verdict is not None, decision
+    assert decision.verdict.startswith("kept maxNumSeqs 64 -> 128"), decision.verdict
 
 
 def test_scale_down_that_broke_the_slo_is_reverted() -> None:

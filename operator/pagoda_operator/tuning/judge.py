@@ -115,19 +115,26 @@ def _made_worse(
         and snapshot.preemptions_per_s > before_preempt * 2 + preempt_floor
     ):
         return f"preemptions {before_preempt:.3g}/s -> {snapshot.preemptions_per_s:.3g}/s"
-    # The engines' work, prompt and generated tokens together: a rollout restarts every
+    # Throughput lost: the engines' work (prompt and generated tokens) and their generated
+    # tokens both fell. Either alone is bursty over one window. A rollout restarts every
     # engine, and in the first window after it each one prefills the requests it admits
-    # from the queue again before it decodes them, so generated tokens alone dip there even
-    # when the new value serves as fast (seen in the live test: 10.7 -> 1.3 generated tok/s
-    # while prompt tokens stayed at 41-43/s).
-    before_tokens = per_engine * (
-        (baseline.get("generationTokensPerSecond") or 0.0)
-        + (baseline.get("promptTokensPerSecond") or 0.0)
-    )
+    # from the queue again before it decodes them, so generated tokens dip even when the
+    # new value serves as fast (seen in the live test: 10.7 -> 1.3 generated tok/s while
+    # prompt tokens stayed at 41-43/s). And a window in which no request happens to finish
+    # admits none, so prompt tokens drop to nothing while decoding goes on as fast (seen
+    # there too: 32 -> 0 prompt tok/s, 6.7 -> 5.3 generated).
+    before_generated = per_engine * (baseline.get("generationTokensPerSecond") or 0.0)
+    before_tokens = before_generated + per_engine * (baseline.get("promptTokensPerSecond") or 0.0)
     after_tokens = snapshot.generation_tokens_per_s + snapshot.prompt_tokens_per_s
-    if snapshot.requests_waiting > 0 and after_tokens < config.worse_throughput_ratio * before_tokens:
+    ratio = config.worse_throughput_ratio
+    if (
+        snapshot.requests_waiting > 0
+        and after_tokens < ratio * before_tokens
+        and snapshot.generation_tokens_per_s < ratio * before_generated
+    ):
         return (
-            f"tokens processed (prompt + generated) {before_tokens:.4g} -> {after_tokens:.4g}/s "
+            f"tokens processed (prompt + generated) {before_tokens:.4g} -> {after_tokens:.4g}/s, "
+            f"generated {before_generated:.4g} -> {snapshot.generation_tokens_per_s:.4g}/s, "
             "with requests still waiting"
         )
     before_itl, after_itl = baseline.get("itlP95Seconds"), snapshot.itl_p95_s
