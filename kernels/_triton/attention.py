@@ -297,13 +297,7 @@ def choose_tiling(
         tile_n = 64 if block_q == 1 and head_size <= 128 else 32
     tile_n = max(16, tile_n)
     if num_segments is None:
-        # Programs with work: a step of T tokens has at most T sequences with queries; the
-        # other rows (a mixed CUDA graph's spare rows) exit at once and fill nothing. A
-        # mixed graph is recorded with room for every sequence, so counting its rows would
-        # never split the KV range of the few real sequences it replays (a verify step of
-        # k + 1 tokens over a long context ran each KV head on one program).
-        working_seqs = min(num_seqs, num_tokens)
-        num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + working_seqs
+        num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
         partial = num_tokens * num_heads * (head_pad + 2) * 4
         num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, device)
     # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared

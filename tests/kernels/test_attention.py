@@ -139,20 +139,3 @@ def test_mixed_graph_layout(num_segments: int) -> None:
     )
     expected = paged_attention_ref(**real, scale=scale)
     assert rel_err(out[: real["q"].shape[0]], expected) <= 2 * TOLERANCE[torch.float32]
-
-
-def test_a_mixed_graphs_spare_rows_do_not_count_against_splitting(monkeypatch) -> None:
-    """A mixed step's graph holds a row for every sequence the scheduler may batch (1025),
-    but a step of 16 tokens has at most 16 with queries: its tiling splits the KV range as
-    for 16 sequences, so a speculative verify step (one sequence, k + 1 tokens, a long
-    context) replayed in that graph does not walk the whole context on one program per KV
-    head. (Counting the spare rows gave one segment.)"""
-    from kernels._triton import attention as triton_attention
-
-    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
-    device = torch.device("cuda")  # only its type is read, for the SM count above
-    graph = triton_attention.choose_tiling(16, 1025, 12, 2, 128, 16, device)
-    assert graph == triton_attention.choose_tiling(16, 16, 12, 2, 128, 16, device)
-    assert graph.num_segments >= 8
-    warmed = triton_attention.tilings(12, 2, 128, 2048, device, decode=False)
-    assert graph in warmed  # compiled before the engine reports ready
