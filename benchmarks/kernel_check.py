@@ -12,6 +12,12 @@ dequantized cache; the writes bit-exact against the reference quantization) and 
 attention over them is timed beside bf16's.
 Part 3 (unless --no-sweep) times tiling variants of attention. The summary table is
 printed last; with ``OUT`` set, everything goes to ``$OUT/kernel_check.json``.
+
+``--long`` replaces parts 2 and 3 with long context (issue #32's rows): decode at batch 1
+and 16 over 8k and 32k contexts and prefill of 8k and 32k prompts, next to torch's flash
+SDPA, then their tiling variants (KV splits up to 256, query/key tiles, warps, stages).
+``--compare-with FILE`` times the same default launches with another copy of
+``kernels/_triton/attention.py`` (a previous commit's) in the same call.
 """
 
 import argparse
@@ -176,14 +182,16 @@ def check_fp8_cache_writes(tokens: int, block_size: int) -> None:
 
 def check_cuda_graph() -> None:
     """Decode attention captured once in a CUDA graph, replayed on new contents."""
-    inputs = attention_batch(*mix("decode", 8, 300), 12, 2, 128, 16, torch.bfloat16)
+    # Contexts of 300 tokens give every sequence its blocks; the replay shortens them
+    # (a longer one would read past its block table's row).
+    inputs = attention_batch([1] * 8, [300] * 8, 12, 2, 128, 16, torch.bfloat16)
     out = torch.empty_like(inputs["q"])
     paged_attention(**inputs, scale=0.1, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_attention(**inputs, scale=0.1, out=out)
     inputs["q"].normal_()
-    inputs["seq_lens"].copy_(torch.randint(1, 300, (8,), device=DEVICE, dtype=torch.int32))
+    inputs["seq_lens"].copy_(torch.randint(1, 301, (8,), device=DEVICE, dtype=torch.int32))
     out.fill_(math.nan)
     graph.replay()
     record_check("cuda_graph_decode", rel_err(out, attention64(**inputs, scale=0.1)), 1e-2)
@@ -450,6 +458,63 @@ def run_variant(kind: str, case: tuple, tiling: dict) -> None:
     print(f"sweep {kind} {case} {tiling} {ms * 1e3:.1f} us")
 
 
+LONG_CASES = (("1.5B", 1, 8192), ("1.5B", 1, 32768), ("7B", 1, 32768))
+
+
+def load_attention_module(path: str) -> Any:
+    """Another copy of the attention kernels, imported under its own name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_attention_with(module: Any, kind: str, shape: str, batch: int, context: int) -> float:
+    """GPU ms of ``module``'s default launch (its own heuristics) for the case."""
+    query_len = 1 if kind == "decode" else context
+    sets, _ = attention_sets(query_len, context, batch, shape)
+    calls = [lambda s=s: module.paged_attention(**s, scale=128**-0.5, out=torch.empty_like(s["q"]))
+             for s in sets]  # fmt: skip
+    return bench_graph(calls)
+
+
+def long_timings(compare_with: str | None) -> None:
+    other = load_attention_module(compare_with) if compare_with else None
+    cases = [("decode", *case) for case in LONG_CASES] + [("decode", "1.5B", 16, 32768)]
+    cases += [("prefill", *case) for case in LONG_CASES]
+    for kind, shape, batch, context in cases:
+        if out_of_time():
+            return
+        ms = time_attention(kind, shape, batch, context)
+        if other is not None:
+            before = time_attention_with(other, kind, shape, batch, context)
+            results["timings"][-1]["compared_ms"] = before
+            print(f"compare {kind} {shape} b{batch} ctx {context}: {before * 1e3:.1f} us with "
+                  f"{compare_with}, {ms * 1e3:.1f} us now ({before / ms:.2f}x)")  # fmt: skip
+
+
+def long_sweep() -> None:
+    """Tilings for long context: the defaults follow these measurements."""
+    for shape, batch, context in (*LONG_CASES, ("1.5B", 16, 32768)):
+        for segments in (8, 16, 32, 64, 128, 256):
+            if segments * batch > 512:
+                continue
+            for tile_n, num_warps, num_stages in ((64, 4, 2), (128, 4, 2), (64, 8, 3)):
+                tiling = dict(num_segments=segments, tile_n=tile_n, num_warps=num_warps,
+                              num_stages=num_stages)  # fmt: skip
+                run_variant("decode", (shape, batch, context), tiling)
+    for shape, batch, context in LONG_CASES:
+        for block_m, tile_n, num_warps, num_stages in (
+            (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2),
+            (128, 128, 8, 2), (64, 64, 4, 3), (256, 64, 8, 2),
+        ):  # fmt: skip
+            tiling = dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps,
+                          num_stages=num_stages, num_segments=1)  # fmt: skip
+            run_variant("prefill", (shape, batch, context), tiling)
+
+
 def correctness(quick: bool) -> None:
     random.seed(0)
     torch.manual_seed(0)
@@ -513,13 +578,19 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer correctness shapes")
     parser.add_argument("--budget-s", type=float, default=380.0)
+    parser.add_argument("--long", action="store_true", help="long-context timings and sweep")
+    parser.add_argument("--compare-with", help="another attention.py to time beside (--long)")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     props = torch.cuda.get_device_properties(0)
     results["env"] = {"device": props.name, "sms": props.multi_processor_count,
                       "torch": torch.__version__, "triton": triton.__version__}  # fmt: skip
     print(results["env"])
-    for section in (lambda: correctness(args.quick), timings, *(() if args.no_sweep else (sweep,))):
+    if args.long:
+        later = (lambda: long_timings(args.compare_with), *(() if args.no_sweep else (long_sweep,)))
+    else:
+        later = (timings, *(() if args.no_sweep else (sweep,)))
+    for section in (lambda: correctness(args.quick), *later):
         started = time.monotonic()
         try:
             section()

@@ -61,6 +61,72 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, tile_start, kv_hi, q_pos, offs_n, dims, dim_valid,
+    block_table_row, k_head_ptr, v_head_ptr, qk_scale,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_SIZE: tl.constexpr, FP32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    HEAD_MASKED: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One KV tile of the online softmax. ``MASKED``: the tile may hold keys past the
+    segment's end or past a row's causal limit; otherwise every row sees every key."""
+    key_pos = tile_start + offs_n
+    # One block-id load per key keeps every block size (1..256) on one code path;
+    # for blocks >= TILE_N the loads hit the same address and cost nothing extra.
+    if MASKED:
+        key_valid = key_pos < kv_hi
+        block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+    else:
+        block = tl.load(block_table_row + key_pos // BLOCK_SIZE)
+    block = block.to(tl.int64)
+    in_block = key_pos % BLOCK_SIZE
+    k_rows = block * stride_kb + in_block * stride_ks
+    v_rows = block * stride_vb + in_block * stride_vs
+    if MASKED:
+        k = tl.load(k_head_ptr + k_rows[None, :] + dims[:, None],
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # fmt: skip
+    elif HEAD_MASKED:
+        k = tl.load(k_head_ptr + k_rows[None, :] + dims[:, None],
+                    mask=dim_valid[:, None], other=0.0)  # fmt: skip
+    else:
+        k = tl.load(k_head_ptr + k_rows[None, :] + dims[:, None])
+    if KV_FP8:
+        k = k.to(tl.float32).to(q.dtype)
+    if FP32_DOT:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    scores = scores * qk_scale
+    if MASKED:
+        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # Rows with nothing visible yet keep m = -inf; shift them by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every key is visible
+        m_shift = m_new
+    p = tl.math.exp2(scores - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_head_ptr + v_rows[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # fmt: skip
+    elif HEAD_MASKED:
+        v = tl.load(v_head_ptr + v_rows[:, None] + dims[None, :],
+                    mask=dim_valid[None, :], other=0.0)  # fmt: skip
+    else:
+        v = tl.load(v_head_ptr + v_rows[:, None] + dims[None, :])
+    if KV_FP8:
+        v = v.to(tl.float32).to(q.dtype)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 # Integers that change from step to step are not specialised on (Triton would otherwise
 # compile a variant for 1, for multiples of 16 and for the rest, mid-serving).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -146,50 +212,31 @@ def _paged_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
 
-    for tile_start in range(kv_lo, kv_hi, TILE_N):
-        key_pos = tile_start + offs_n
-        key_valid = key_pos < kv_hi
-        # One block-id load per key keeps every block size (1..256) on one code path;
-        # for blocks >= TILE_N the loads hit the same address and cost nothing extra.
-        block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        block = block.to(tl.int64)
-        in_block = key_pos % BLOCK_SIZE
-        k_rows = block * stride_kb + in_block * stride_ks
-        v_rows = block * stride_vb + in_block * stride_vs
-        k = tl.load(
-            k_head_ptr + k_rows[None, :] + dims[:, None],
-            mask=key_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        )
-        if KV_FP8:
-            k = k.to(tl.float32).to(q.dtype)
-        if FP32_DOT:
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:
-            scores = tl.dot(q, k)
-        scores = scores * qk_scale
-        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # Rows with nothing visible yet keep m = -inf; shift them by 0 to avoid inf - inf.
-        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.math.exp2(scores - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(
-            v_head_ptr + v_rows[:, None] + dims[None, :],
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        if KV_FP8:
-            v = v.to(tl.float32).to(q.dtype)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Query tiles: tiles every row of the block sees whole (keys up to the block's first
+    # query position, inside the segment) need no masks: no causal or bounds test on the
+    # scores, unmasked loads. The rest (the diagonal, the partial last tile) take the
+    # masked path. Measured on the H200 (kernel_check --long): prefill attention of 8k and
+    # 32k prompts 1.21-1.26x faster; decode (one query a row) was not faster at 8k
+    # contexts, so it keeps the one masked loop.
+    full_hi = kv_lo
+    if BLOCK_Q > 1:
+        first_q_pos = context_len - q_len + local_block * BLOCK_Q
+        full_end = tl.minimum(kv_hi, first_q_pos + 1)
+        full_hi = kv_lo + (tl.maximum(full_end - kv_lo, 0) // TILE_N) * TILE_N
+        for tile_start in range(kv_lo, full_hi, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, tile_start, kv_hi, q_pos, offs_n, dims, dim_valid,
+                block_table_row, k_head_ptr, v_head_ptr, qk_scale,
+                stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, FP32_DOT, KV_FP8, HEAD_PAD != HEAD_SIZE, False,
+            )  # fmt: skip
+    for tile_start in range(full_hi, kv_hi, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile_start, kv_hi, q_pos, offs_n, dims, dim_valid,
+            block_table_row, k_head_ptr, v_head_ptr, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_SIZE, FP32_DOT, KV_FP8, HEAD_PAD != HEAD_SIZE, True,
+        )  # fmt: skip
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # the merge of split segments is linear in acc
@@ -217,7 +264,7 @@ def _merge_segments_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
     num_seqs, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEG_CHUNK: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs()
     token = tl.program_id(0)
@@ -227,14 +274,20 @@ def _merge_segments_kernel(
         return
     segments = tl.arange(0, NUM_SEGMENTS)
     dims = tl.arange(0, HEAD_PAD)
-    part = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + segments
-    seg_max = tl.load(part_max_ptr + part)
-    seg_sum = tl.load(part_sum_ptr + part)
+    first = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS
+    seg_max = tl.load(part_max_ptr + first + segments)
+    seg_sum = tl.load(part_sum_ptr + first + segments)
     top = tl.max(seg_max, axis=0)
-    weight = tl.math.exp2(seg_max - top)  # empty segments: exp2(-inf) = 0
-    denom = tl.sum(weight * seg_sum, axis=0)
-    seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :])
-    result = tl.sum(seg_acc * weight[:, None], axis=0) / denom
+    denom = tl.sum(tl.math.exp2(seg_max - top) * seg_sum, axis=0)  # empty: exp2(-inf) = 0
+    # The partial accumulators in chunks of SEG_CHUNK segments (a [NUM_SEGMENTS, HEAD_PAD]
+    # tile of 128+ segments would not fit in registers).
+    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    for chunk in tl.static_range(0, NUM_SEGMENTS, SEG_CHUNK):
+        part = first + chunk + tl.arange(0, SEG_CHUNK)
+        weight = tl.math.exp2(tl.load(part_max_ptr + part) - top)
+        seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :])
+        acc += tl.sum(seg_acc * weight[:, None], axis=0)
+    result = acc / denom
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
         result.to(out_ptr.dtype.element_ty),
@@ -268,7 +321,9 @@ class Tiling:
 
 def _large_query_tiles(num_tokens: int, head_size: int) -> bool:
     # Measured on H200 (kernel_check sweep, kernels/NOTES.md): 32-key tiles and 4 warps
-    # win for every prefill size; 128-row query tiles only pay from ~4k tokens.
+    # win for prefill steps below ~4k tokens; from there 128-row query tiles of 64 keys, 8
+    # warps and 2 stages (kernel_check --long: 8k prompts 9 %, 32k 1-3 % faster than 32
+    # keys, 4 warps, 3 stages).
     return num_tokens >= 4096 and head_size <= 128
 
 
@@ -286,24 +341,32 @@ def choose_tiling(
     # decode tiling, one token per program. Any other batch takes query tiles. Both
     # tilings are exact for every input; the choice only affects speed.
     decode = max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs)
+    large = block_m is None and not decode and _large_query_tiles(num_tokens, head_size)
     if decode and block_m is None:
         block_q = 1
         block_m = max(16, group_pad)
     else:
-        block_m = block_m or (128 if _large_query_tiles(num_tokens, head_size) else 64)
+        block_m = block_m or (128 if large else 64)
         block_m = max(block_m, group_pad, 16)
         block_q = max(1, block_m // group_pad)
     if tile_n is None:
-        tile_n = 64 if block_q == 1 and head_size <= 128 else 32
+        tile_n = 64 if (block_q == 1 and head_size <= 128) or large else 32
     tile_n = max(16, tile_n)
     if num_segments is None:
-        num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+        # Programs with work: a step of T tokens has at most T sequences with queries; the
+        # other rows (a mixed CUDA graph's spare rows) exit at once and fill nothing. A
+        # mixed graph is recorded with room for every sequence, so counting its rows would
+        # never split the KV range of the few real sequences it replays (a verify step of
+        # k + 1 tokens over a long context ran each KV head on one program).
+        working_seqs = min(num_seqs, num_tokens)
+        num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + working_seqs
         partial = num_tokens * num_heads * (head_pad + 2) * 4
         num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, device)
     # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared
-    # memory buffers, more resident programs); prefill keeps three.
-    num_stages = num_stages or (2 if block_q == 1 else 3)
-    return Tiling(block_q, block_m, tile_n, num_segments, num_warps or 4, num_stages)
+    # memory buffers, more resident programs); smaller prefill tiles keep three.
+    num_stages = num_stages or (2 if block_q == 1 or large else 3)
+    num_warps = num_warps or (8 if large else 4)
+    return Tiling(block_q, block_m, tile_n, num_segments, num_warps, num_stages)
 
 
 def tilings(
@@ -445,7 +508,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
             out, part_acc, part_max, part_sum, query_start_loc,
             num_seqs, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-            NUM_SEGMENTS=num_segments,
+            NUM_SEGMENTS=num_segments, SEG_CHUNK=min(num_segments, 32),
             num_warps=4 if head_pad >= 128 else 2,
             launch_pdl=launch_pdl(out),
         )  # fmt: skip

@@ -99,6 +99,25 @@ def test_split_kv_prefill_chunk() -> None:
     check(batch, torch.float32, num_segments=4, block_m=16, tile_n=16)
 
 
+@pytest.mark.parametrize("num_segments", [64, 128])
+def test_many_segments_merged_in_chunks(num_segments: int) -> None:
+    """Long-context decode at batch 1 splits the KV range into up to 256 segments; the merge
+    reads their partials in chunks (most of them empty here)."""
+    torch.manual_seed(num_segments)
+    batch = make_batch([1, 1], [3, 700], 3, 1, 64, 16, torch.float32)
+    check(batch, torch.float32, num_segments=num_segments, tile_n=16)
+
+
+@pytest.mark.parametrize(("num_segments", "tile_n"), [(1, 16), (4, 16), (2, 32)])
+def test_whole_tiles_then_the_diagonal(num_segments: int, tile_n: int) -> None:
+    """Tiles that every row of a query block sees whole skip the masks; the diagonal and
+    the segment's partial last tile keep them: chunks starting mid-tile, segments
+    starting before and after a block's first query, a prompt shorter than a tile."""
+    torch.manual_seed(num_segments * tile_n)
+    batch = make_batch([20, 37, 5, 1], [150, 37, 5, 77], 4, 2, 64, 16, torch.float32)
+    check(batch, torch.float32, num_segments=num_segments, block_m=16, tile_n=tile_n)
+
+
 def test_padding_tokens_and_hint() -> None:
     """Rows past the last sequence (CUDA-graph padding) are left alone; a hint changes
     only the tiling."""
@@ -139,3 +158,20 @@ def test_mixed_graph_layout(num_segments: int) -> None:
     )
     expected = paged_attention_ref(**real, scale=scale)
     assert rel_err(out[: real["q"].shape[0]], expected) <= 2 * TOLERANCE[torch.float32]
+
+
+def test_a_mixed_graphs_spare_rows_do_not_count_against_splitting(monkeypatch) -> None:
+    """A mixed step's graph holds a row for every sequence the scheduler may batch (1025),
+    but a step of 16 tokens has at most 16 with queries: its tiling splits the KV range as
+    for 16 sequences, so a speculative verify step (one sequence, k + 1 tokens, a long
+    context) replayed in that graph does not walk the whole context on one program per KV
+    head. (Counting the spare rows gave one segment.)"""
+    from kernels._triton import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    device = torch.device("cuda")  # only its type is read, for the SM count above
+    graph = triton_attention.choose_tiling(16, 1025, 12, 2, 128, 16, device)
+    assert graph == triton_attention.choose_tiling(16, 16, 12, 2, 128, 16, device)
+    assert graph.num_segments >= 8
+    warmed = triton_attention.tilings(12, 2, 128, 2048, device, decode=False)
+    assert graph in warmed  # compiled before the engine reports ready
