@@ -17,9 +17,12 @@ result (plus bias, in x's dtype) cast to x's dtype.
 Implementations of the one signature, chosen by shape and device only (no host syncs:
 a CUDA graph captures them as they are):
 
-- the Triton word GEMV (``kernels/_triton/int4_linear.py``) for decode-sized steps
-  (M <= ``GEMV_MAX_M``) without act order: streams the packed words, dequantizes and
-  multiplies in float32 (the first GEMV, one program a row, where a g_idx is given);
+- for decode-sized steps (M <= ``GEMV_MAX_M``) without act order, the Triton GEMVs
+  (``kernels/_triton/int4_linear.py``): the tensor-core GEMV (codes unpacked two a 32-bit
+  op into the dot's first operand, x the second, the group scale applied to the partial
+  sum), or at one row for small and long-K projections the word GEMV (float32
+  multiply-adds); with act order (a g_idx) up to ``ACT_ORDER_GEMV_MAX_M`` rows, the first
+  GEMV (one program a row);
 - above that, with the model's shared scratch buffer: the projection dequantized into it
   and multiplied by cuBLAS; without one, the Triton GEMM (dequantizes [BLOCK_K, BLOCK_N]
   tiles to x's dtype into ``tl.dot``; float32 x: exact float32 products);
@@ -30,12 +33,13 @@ import torch
 
 from kernels._backend import kernel_for
 
-# Largest token count the GEMV takes. The word GEMV is issue-bound (its cost grows with
-# the rows: on the H200 7B gate_up 64 us at 1 row, 120 at 4, 235 at 8), while dequantizing
-# into the scratch and cuBLAS costs about the same at any row count (~2.5 bytes an element
-# to dequantize plus bf16's own stream: ~170 us for 7B gate_up, estimated from bandwidth and
-# the measured bf16 GEMM; the crossover lies between 4 and 8 rows).
-GEMV_MAX_M = 4
+# Largest token count the GEMVs take. The tensor-core GEMV (no act order) costs about the
+# same from 1 to 16 rows (on the H200 7B gate_up 50.6 us at 1 row, 50.9 at 4, 52.4 at 16;
+# bf16's cuBLAS 72 us), below dequantizing into the scratch and cuBLAS (~2.5 bytes an
+# element to dequantize plus bf16's own stream). The first GEMV (act order: a g_idx) is
+# issue-bound and grows with the rows: it stops at 4.
+GEMV_MAX_M = 16
+ACT_ORDER_GEMV_MAX_M = 4
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -129,7 +133,8 @@ def int4_linear(
     dest = None if out is None else out.view(rows.shape[0], n)
     if dest is not None and not dest.is_contiguous():
         dest = None
-    gemv = rows.shape[0] <= GEMV_MAX_M
+    fast = module.words_eligible(group_size, scales.shape[1], g_idx)
+    gemv = rows.shape[0] <= (GEMV_MAX_M if fast else ACT_ORDER_GEMV_MAX_M)
     if not gemv and scratch is not None:
         weight = module.dequantize_into(qweight, scales, zeros, group_size, g_idx, rows.shape[1],
                                         scratch[: n * rows.shape[1]].view(n, rows.shape[1]))  # fmt: skip

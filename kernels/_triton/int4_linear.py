@@ -135,6 +135,134 @@ def _int4_gemv_words_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr,
 
 
 @triton.jit
+def _word_codes(words, magic, CODE_BASE: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_W, 8] in DTYPE, exact: CODE_BASE + the eight codes of each word of
+    words [BLOCK_N, BLOCK_W], in K order.
+
+    Half precision (bf16: CODE_BASE 128, MAGIC 0x43004300; fp16: 1024, 0x64006400):
+    (words >> 4i) & 0x000F000F | MAGIC holds codes i and i + 4 as the two half values
+    CODE_BASE + code (where one unit in the last place is 1), so each 32-bit shift, AND
+    and OR serves two codes; the halves are split off by truncation to 16 bits and a
+    bitcast. tl.join then puts a word's codes next to each other (new axes: code bit 2,
+    bit 1, bit 0), so the reshape is K order and x needs no permutation. float32 (CODE_BASE
+    0): the exponent trick, code | 0x4B000000 is 2^23 + code."""
+    if CODE_BASE == 0:
+        shifts = (tl.arange(0, 8) * 4)[None, None, :]
+        codes = (words[:, :, None] >> shifts) & 0xF
+        return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        t0 = (words & 0x000F000F) | magic
+        t1 = ((words >> 4) & 0x000F000F) | magic
+        t2 = ((words >> 8) & 0x000F000F) | magic
+        t3 = ((words >> 12) & 0x000F000F) | magic
+        # p_i [BLOCK_N, BLOCK_W, 2]: codes i, i + 4.
+        p0 = tl.join(t0.to(tl.int16).to(DTYPE, bitcast=True),
+                     (t0 >> 16).to(tl.int16).to(DTYPE, bitcast=True))  # fmt: skip
+        p1 = tl.join(t1.to(tl.int16).to(DTYPE, bitcast=True),
+                     (t1 >> 16).to(tl.int16).to(DTYPE, bitcast=True))  # fmt: skip
+        p2 = tl.join(t2.to(tl.int16).to(DTYPE, bitcast=True),
+                     (t2 >> 16).to(tl.int16).to(DTYPE, bitcast=True))  # fmt: skip
+        p3 = tl.join(t3.to(tl.int16).to(DTYPE, bitcast=True),
+                     (t3 >> 16).to(tl.int16).to(DTYPE, bitcast=True))  # fmt: skip
+        # [BLOCK_N, BLOCK_W, 2, 2, 2]: index (a, b, c) is code 4a + 2b + c.
+        v = tl.join(tl.join(p0, p2), tl.join(p1, p3))
+        return tl.reshape(v, [v.shape[0], v.shape[1], 8])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_dot_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, ws_ptr,
+                          M, N, K, stride_x, stride_q, stride_o, num_groups, words_per_split,
+                          magic, GROUP_SIZE: tl.constexpr, TILE_META: tl.constexpr,
+                          SCALE_AFTER: tl.constexpr, X_SUM_DOT: tl.constexpr,
+                          CODE_BASE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          M_PAD: tl.constexpr, EVEN_K: tl.constexpr, USE_WS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One program: out.T [BLOCK_N, M_PAD] (x rows M_PAD * pid_m on) for one slice of K,
+    as tl.dot(weight tile [BLOCK_N, BLOCK_K], x.T [BLOCK_K, M_PAD]): "swap AB", so the
+    unpacked tile is the first operand (on sm_90 wgmma takes it from registers, after one
+    layout change through shared memory: a 16-byte store and an ldmatrix per 8 codes) and
+    x, its rows past M zeros, the second; float32 accumulation.
+
+    TILE_META (BLOCK_K divides the group size, or one group): one scale and zero per
+    (n, tile). Then with SCALE_AFTER the dot takes the tile of CODE_BASE + code as it is
+    unpacked and the partial is scaled after it, per output and row:
+    s * (dot - (CODE_BASE + zero) * sum_k x) in float32. No per-code arithmetic beyond the
+    unpacking, and the weight is never rounded to x's dtype (float32 loses ~4 bits of its
+    24 to the cancellation: bf16's 128 + code against 128 + zero). sum_k x comes from a
+    second dot of a ones tile with x.T (X_SUM_DOT: already in the accumulator's layout, at
+    the cost of materializing the ones) or from a reduction of x.T across threads.
+
+    Otherwise (or with groups smaller than the tile: scale and zero per word) every code
+    is dequantized in float32, (CODE_BASE + code - (CODE_BASE + zero)) * scale, and rounded
+    once to x's dtype: the weight ``dequantize_into`` gives. (Triton's interpreter does
+    bf16 arithmetic on bf16's uint16 storage, so bf16 math in the dot's dtype could not be
+    checked on CPU.) The magic constant is an argument, not a constexpr, so that ptxas
+    folds each AND + OR of the unpacking into one LOP3 (two immediates cannot be)."""
+    wait_for_inputs()
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * M_PAD + tl.arange(0, M_PAD)
+    n_row = tl.minimum(offs_n, N - 1).to(tl.int64)
+    num_words = tl.cdiv(K, 8)
+    q_rows = qweight_ptr + n_row[:, None] * stride_q
+    meta_row = n_row * num_groups
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x
+    m_mask = (offs_m < M)[None, :]
+    offs_c = tl.arange(0, BLOCK_K)
+    if X_SUM_DOT:
+        # (float32 then cast: the interpreter has no bf16 constants)
+        ones = tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32).to(DTYPE)
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    w_start = pid_k * words_per_split
+    for w0 in range(w_start, w_start + words_per_split, BLOCK_W):
+        wk = w0 + tl.arange(0, BLOCK_W)
+        ks = w0 * 8 + offs_c
+        if EVEN_K:
+            words = tl.load(q_rows + wk[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_cols + ks[:, None], mask=m_mask, other=0.0)
+        else:
+            words = tl.load(q_rows + wk[None, :], mask=(wk < num_words)[None, :], other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+            xt = tl.load(x_cols + ks[:, None], mask=(ks < K)[:, None] & m_mask, other=0.0)
+        codes = _word_codes(words, magic, CODE_BASE, DTYPE)
+        if TILE_META:
+            meta = meta_row + tl.minimum((w0 * 8) // GROUP_SIZE, num_groups - 1)
+            s = tl.load(scales_ptr + meta).to(tl.float32)[:, None]
+            zb = tl.load(zeros_ptr + meta).to(tl.float32)[:, None] + CODE_BASE
+            if SCALE_AFTER:
+                part = tl.dot(tl.reshape(codes, [BLOCK_N, BLOCK_K]), xt,
+                              input_precision=PRECISION)  # fmt: skip
+                if X_SUM_DOT:
+                    x_sum = tl.dot(ones, xt, input_precision=PRECISION)
+                else:
+                    x_sum = tl.sum(xt.to(tl.float32), axis=0)[None, :]
+                acc += s * (part - zb * x_sum)
+            else:
+                w = (codes.to(tl.float32) - zb[:, :, None]) * s[:, :, None]
+                acc = tl.dot(tl.reshape(w.to(DTYPE), [BLOCK_N, BLOCK_K]), xt, acc,
+                             input_precision=PRECISION)  # fmt: skip
+        else:
+            meta = meta_row[:, None] + tl.minimum((wk * 8) // GROUP_SIZE, num_groups - 1)[None, :]
+            s = tl.load(scales_ptr + meta).to(tl.float32)
+            zb = tl.load(zeros_ptr + meta).to(tl.float32) + CODE_BASE
+            w = (codes.to(tl.float32) - zb[:, :, None]) * s[:, :, None]
+            acc = tl.dot(tl.reshape(w.to(DTYPE), [BLOCK_N, BLOCK_K]), xt, acc,
+                         input_precision=PRECISION)  # fmt: skip
+    mask = (offs_n[:, None] < N) & m_mask
+    if USE_WS:
+        rows = (pid_k * M + offs_m).to(tl.int64)
+        tl.store(ws_ptr + rows[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
 def _int4_dequant_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K,
                          stride_q, num_groups, GROUP_SIZE: tl.constexpr,
                          HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -256,6 +384,122 @@ def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out
 
 
+@dataclass(frozen=True)
+class DotConfig:
+    """A launch of the tensor-core GEMV (``int4_gemv_dot``): tiles of BLOCK_N outputs x
+    BLOCK_K inputs (block_k a multiple of 16), K in ``split`` slices (float32 partials,
+    reduced in a fixed order), 16 rows of x a program. ``scale_after``: with one group a
+    tile, scale the dot of the unpacked codes instead of dequantizing every code.
+    ``x_sum`` (for scale_after): "dot" (a ones tile times x.T), "reduce" (across threads)
+    or "auto": "reduce" from 32 tile rows a warp, else "dot" (the one with fewer SASS
+    instructions in the loop, sm_90, over the benchmark's grid). A block_k above a group
+    size that is a multiple of 16 is lowered to the group size, so that a tile never spans
+    groups where it need not (the per-word scale path costs ~2.5x the instructions a code).
+    """
+
+    block_n: int = 64
+    block_k: int = 128
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    scale_after: bool = True
+    x_sum: str = "auto"
+
+
+DOT_M_PAD = 16  # rows of x a program: the smallest N of a tl.dot
+
+# x's dtype: CODE_BASE and the magic constant of the unpacking (``_word_codes``).
+_CODE_BASE = {torch.float32: (0, 0), torch.bfloat16: (128, 0x43004300),
+              torch.float16: (1024, 0x64006400)}  # fmt: skip
+
+
+def dot_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+               out: torch.Tensor, config: DotConfig) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """(grid, arguments, keywords) of ``_int4_gemv_dot_kernel`` for ``int4_gemv_dot``
+    (arguments[6] is the split-K workspace, ``out`` when K is not split); separate so
+    that a sweep can compile its launches ahead (``JITFunction.warmup``)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    num_groups = scales.shape[1]
+    if not words_eligible(group_size, num_groups, None):
+        raise ValueError(f"int4_gemv_dot: groups of {group_size} split a word")
+    if config.block_k < 16 or config.block_k % 16:
+        raise ValueError(f"int4_gemv_dot: block_k {config.block_k} is not a multiple of 16")
+    if config.x_sum not in ("auto", "dot", "reduce"):
+        raise ValueError(f"int4_gemv_dot: x_sum {config.x_sum!r}")
+    block_k = config.block_k
+    if num_groups > 1 and group_size % 16 == 0 and group_size < block_k:
+        block_k = group_size
+    block_w = block_k // 8
+    num_words = triton.cdiv(k, 8)
+    per_split = triton.cdiv(triton.cdiv(num_words, config.split), block_w) * block_w
+    split = triton.cdiv(num_words, per_split)
+    use_ws = split > 1
+    workspace = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if use_ws else out
+    # Slices start at multiples of block_k, so a group size that block_k divides puts
+    # every tile in one group.
+    tile_meta = num_groups == 1 or group_size % block_k == 0
+    scale_after = tile_meta and config.scale_after
+    x_sum = config.x_sum
+    if x_sum == "auto":
+        x_sum = "reduce" if config.block_n >= 32 * config.num_warps else "dot"
+    code_base, magic = _CODE_BASE[x.dtype]
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, DOT_M_PAD))
+    args = (x, qweight, scales, zeros, qweight if bias is None else bias, out, workspace, m, n, k,
+            x.stride(0), qweight.stride(0), out.stride(0), num_groups, per_split, magic)  # fmt: skip
+    meta = dict(GROUP_SIZE=max(group_size, 1), TILE_META=tile_meta, SCALE_AFTER=scale_after,
+                X_SUM_DOT=scale_after and x_sum == "dot", CODE_BASE=code_base,
+                BLOCK_N=config.block_n, BLOCK_K=block_k, M_PAD=DOT_M_PAD,
+                EVEN_K=k == 8 * per_split * split, USE_WS=use_ws, HAS_BIAS=bias is not None,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                launch_pdl=launch_pdl(out))  # fmt: skip
+    return grid, args, meta
+
+
+def dot_wins_at_one_row(n: int, k: int) -> bool:
+    """At one row the tensor-core GEMV beats the word GEMV on the H200 for the wide and the
+    large square projections (7B gate_up 50.6 vs 63.5 us, 1.5B gate_up 14.4 vs 14.6, 7B o
+    9.3 vs 10.1, 7B qkv a tie) and loses on the small ones and on long K (1.5B qkv 5.0 vs
+    4.7, 7B down 45.9 vs 39.5: int4_check_dot_h200.json). From two rows on it wins
+    everywhere (its time does not grow with the rows up to 16; the word GEMV's does)."""
+    return k <= n and n * k >= 12 * 1024 * 1024
+
+
+def dot_config_for(n: int, k: int) -> DotConfig:
+    """The launch measured best on one H200 (``benchmarks/int4_check.py --dot-m``,
+    Qwen2.5-1.5B and 7B projections, groups of 128, the same at 1, 4 and 16 rows): wide
+    projections (gate_up) in 64 x 64 tiles, K in halves, 4 stages; long K (down) split 4
+    ways in 128 x 128 tiles of 8 warps, or 8 ways in 64 x 128 for narrow N; the rest
+    64 x 128, split 8 ways from 8M weights, else 4."""
+    if n >= 4 * k:
+        return DotConfig(block_n=64, block_k=64, split=2, num_stages=4)
+    if k >= 4 * n:
+        if n >= 3072:
+            return DotConfig(block_n=128, block_k=128, split=4, num_warps=8)
+        return DotConfig(block_n=64, block_k=128, split=8)
+    return DotConfig(block_n=64, block_k=128, split=8 if n * k >= 8 * 1024 * 1024 else 4)
+
+
+def int4_gemv_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                  out: torch.Tensor, config: DotConfig) -> torch.Tensor:  # fmt: skip
+    """out [M, N] (rows contiguous) = x [M, K] @ W.T (+ bias) by the tensor-core GEMV.
+    Same eligibility as the word GEMV (``words_eligible``: no act order)."""
+    grid, args, meta = dot_launch(x, qweight, scales, zeros, group_size, bias, out, config)
+    _int4_gemv_dot_kernel[grid](*args, **meta)
+    if meta["USE_WS"]:
+        m, n, workspace, bias_arg = x.shape[0], qweight.shape[0], args[6], args[4]
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            workspace, bias_arg, out, m, n, out.stride(0), grid[1],
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            launch_pdl=launch_pdl(out),
+        )  # fmt: skip
+    return out
+
+
 def dequantize_into(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int, g_idx: torch.Tensor | None, k: int,
                     out: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -286,8 +530,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     common = dict(GROUP_SIZE=max(group_size, 1), HAS_G_IDX=g_idx is not None,
                   HAS_BIAS=bias is not None)  # fmt: skip
     if gemv and words_eligible(group_size, scales.shape[1], g_idx):
-        return int4_gemv_words(x, qweight, scales, zeros, group_size, bias, out,
-                               words_config_for(m, n, k))  # fmt: skip
+        if m == 1 and not dot_wins_at_one_row(n, k):
+            return int4_gemv_words(x, qweight, scales, zeros, group_size, bias, out,
+                                   words_config_for(m, n, k))  # fmt: skip
+        return int4_gemv_dot(x, qweight, scales, zeros, group_size, bias, out,
+                             dot_config_for(n, k))  # fmt: skip
     if gemv:
         block_n = 32
         grid = (triton.cdiv(n, block_n), m)

@@ -108,12 +108,16 @@ def test_a_raise_past_the_graphs_captures_in_the_background_and_keeps_the_tokens
     assert engine.scheduler.max_num_seqs == 16 and runner.graph_limits()[0] == 16
     assert runner.graphs.graphs[("decode", 4)].graph is kept  # not captured again
     assert runner.graphs.graphs[("mixed", 256)].rows == 17  # room for 16 sequences
+    # The first requests may be nearly done by now (the engine steps faster than a capture
+    # records): a second wave, added after the change, shows the raised limit in use.
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"late-{i}", prompt, GREEDY)
     peak = 0
     while engine.has_unfinished_requests():
         peak = max(peak, len(engine.scheduler.running))
         _collect(got, engine.step())
     assert peak > 4  # the raised limit was used, through the new graphs
-    assert got == want
+    assert got == {**want, **{f"late-{i}": want[str(i)] for i in range(len(PROMPTS))}}
     engine.shutdown()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import int4_linear, int4_linear_ref
-from kernels.int4_linear import GEMV_MAX_M
+from kernels.int4_linear import ACT_ORDER_GEMV_MAX_M, GEMV_MAX_M
 
 # float32 sums in another order than float64's; bf16: the output's (and, in the GEMM, the
 # dequantized weight tile's) rounding.
@@ -59,7 +59,7 @@ SHAPES = [(40, 160, 32), (33, 192, 64), (24, 384, 128), (40, 100, -1)]
 
 
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
-@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_M + 1, 33])
+@pytest.mark.parametrize("m", [1, 3, ACT_ORDER_GEMV_MAX_M + 1, GEMV_MAX_M, GEMV_MAX_M + 1, 33])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) -> None:
     if act_order and group_size == -1:
@@ -73,9 +73,9 @@ def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) ->
         xd = x.to(dtype)
         bd = None if bias is None else bias.to(dtype)
         out = int4_linear(xd, qweight, scales, zeros, size, g_idx, bd)
-        assert triton_calls[-1] == (m <= GEMV_MAX_M)
+        assert triton_calls[-1] == (m <= (ACT_ORDER_GEMV_MAX_M if act_order else GEMV_MAX_M))
         assert out.dtype == dtype and out.shape == (m, n)
-        exact = (xd.double() @ weight.T + (0 if bd is None else bd.double()))
+        exact = xd.double() @ weight.T + (0 if bd is None else bd.double())
         assert rel_err(out, exact) < TOLERANCE[dtype], (dtype, rel_err(out, exact))
         ref = int4_linear_ref(xd, qweight, scales, zeros, size, g_idx, bd)
         assert rel_err(ref, exact) < TOLERANCE[dtype]
@@ -102,6 +102,63 @@ def test_word_gemv_every_launch_shape(n, k, group_size, config) -> None:
         int4_gemv_words(x, qweight, scales, zeros, size, bias, out, WordsConfig(**config))
         want = x.double() @ weight.T + (0 if bias is None else bias.double())
         assert rel_err(out, want) < TOLERANCE[torch.float32], (m, config)
+
+
+# The tensor-core GEMV's paths: K a multiple of the tile or not (384 and 192 of 64/128,
+# 100 per channel not of 8), tiles past N, groups of 24 (scale and zero per word).
+DOT_SHAPES = [(40, 160, 32), (24, 384, 128), (40, 100, -1), (33, 192, 24)]
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_n=16, block_k=64, split=1, num_stages=2),  # x sums by a dot of ones
+    dict(block_n=32, block_k=128, split=3, x_sum="reduce"),
+    dict(block_n=64, block_k=32, split=2, scale_after=False),  # every code dequantized
+    dict(block_n=16, block_k=256, split=2, num_warps=8, x_sum="dot"),  # lowered to groups
+])  # fmt: skip
+@pytest.mark.parametrize(("n", "k", "group_size"), DOT_SHAPES)
+def test_dot_gemv_matches_float64(n, k, group_size, config) -> None:
+    """int4_gemv_dot at explicit launches against the float64 weight: M = 1, 3, 4 (rows
+    past M masked), float32 and bf16 (the two-codes-a-word bf16 unpacking), bias or
+    none, split 1 or more (slices past K where the split does not divide it)."""
+    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot, words_eligible
+
+    size = k if group_size == -1 else group_size
+    (qweight, scales, zeros, _), weight = layout(n, k, size, False, seed=n + k)
+    assert words_eligible(size, scales.shape[1], None)
+    for m, dtype in ((1, torch.bfloat16), (3, torch.float32), (3, torch.bfloat16),
+                     (4, torch.float32), (4, torch.bfloat16)):  # fmt: skip
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        bias = torch.randn(n).to(dtype) if m != 3 else None
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        int4_gemv_dot(x, qweight, scales, zeros, size, bias, out, DotConfig(**config))
+        want = x.double() @ weight.T + (0 if bias is None else bias.double())
+        assert rel_err(out, want) < TOLERANCE[dtype], (m, dtype, config, rel_err(out, want))
+
+
+def test_dot_gemv_fp16_and_row_blocks() -> None:
+    """fp16 x (1024 + code halves) and M past one 16-row block (a second program row)."""
+    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot
+
+    (qweight, scales, zeros, _), weight = layout(24, 256, 64, False, seed=3)
+    for m, dtype in ((2, torch.float16), (17, torch.float32)):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+        bias = torch.randn(24).to(dtype)
+        out = torch.full((m, 24), float("nan"), dtype=dtype)
+        int4_gemv_dot(x, qweight, scales, zeros, 64, bias, out, DotConfig(block_n=16, split=2))
+        want = x.double() @ weight.T + bias.double()
+        assert rel_err(out, want) < (2e-3 if dtype == torch.float16 else 2e-5), (m, dtype)
+
+
+def test_dot_gemv_refuses_what_it_cannot_run() -> None:
+    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot
+
+    (qweight, scales, zeros, _), _ = layout(16, 64, 4, False, seed=2)
+    x, out = torch.randn(1, 64), torch.empty(1, 16)
+    with pytest.raises(ValueError, match="split a word"):
+        int4_gemv_dot(x, qweight, scales, zeros, 4, None, out, DotConfig())
+    (qweight, scales, zeros, _), _ = layout(16, 64, 32, False, seed=2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        int4_gemv_dot(x, qweight, scales, zeros, 32, None, out, DotConfig(block_k=40))
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -164,8 +221,8 @@ from kernels._triton import int4_linear as k
 ARGS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8",
         "g_idx_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "ws_ptr": "*fp32",
-        **{i: "i32" for i in ("M", "N", "K", "stride_x", "stride_q", "num_groups",
-                              "words_per_split")}}
+        **{i: "i32" for i in ("M", "N", "K", "stride_x", "stride_q", "stride_o", "num_groups",
+                              "words_per_split", "magic")}}
 
 def build(kernel, consts):
     types = {a: t for a, t in ARGS.items() if a in kernel.arg_names}
@@ -184,6 +241,12 @@ for g_idx in (False, True):
 for rows in (1, 4):
     build(k._int4_gemv_words_kernel, dict(GROUP_SIZE=128, ROWS=rows, BLOCK_N=16, BLOCK_W=32,
                                           USE_WS=rows == 4, HAS_BIAS=rows == 1))
+for tile, x_sum_dot in ((True, True), (True, False), (False, False)):
+    dot = build(k._int4_gemv_dot_kernel, dict(
+        GROUP_SIZE=128 if tile else 24, TILE_META=tile, SCALE_AFTER=tile, X_SUM_DOT=x_sum_dot,
+        CODE_BASE=128, BLOCK_N=64, BLOCK_K=128 if tile else 64, M_PAD=16, EVEN_K=x_sum_dot,
+        USE_WS=tile, HAS_BIAS=not tile, PRECISION="tf32"))
+    assert "wgmma" in dot.asm["ptx"], "the dot GEMV must run on Hopper's wgmma"
 print("compiled")
 """
 
