@@ -108,14 +108,15 @@ def test_many_segments_merged_in_chunks(num_segments: int) -> None:
     check(batch, torch.float32, num_segments=num_segments, tile_n=16)
 
 
-@pytest.mark.parametrize(("num_segments", "tile_n"), [(1, 16), (4, 16), (2, 32)])
-def test_whole_tiles_then_the_diagonal(num_segments: int, tile_n: int) -> None:
+@pytest.mark.parametrize(("num_segments", "tile_n", "block_m"),
+                         [(1, 16, 16), (4, 16, 16), (2, 32, 16), (1, 64, 128)])  # fmt: skip
+def test_whole_tiles_then_the_diagonal(num_segments: int, tile_n: int, block_m: int) -> None:
     """Tiles that every row of a query block sees whole skip the masks; the diagonal and
     the segment's partial last tile keep them: chunks starting mid-tile, segments
     starting before and after a block's first query, a prompt shorter than a tile."""
     torch.manual_seed(num_segments * tile_n)
     batch = make_batch([20, 37, 5, 1], [150, 37, 5, 77], 4, 2, 64, 16, torch.float32)
-    check(batch, torch.float32, num_segments=num_segments, block_m=16, tile_n=tile_n)
+    check(batch, torch.float32, num_segments=num_segments, block_m=block_m, tile_n=tile_n)
 
 
 def test_padding_tokens_and_hint() -> None:
