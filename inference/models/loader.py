@@ -94,6 +94,7 @@ def load_model(
             _fill_dummy(model)
         else:
             model.load_weights(_checkpoint_weights(folder, device, config))
+        int4.sort_act_order(model)
     int4.share_dequant_scratch(model, dtype, device)
     return model.eval()
 

@@ -15,6 +15,13 @@ cover, which must be whole groups: a TP size that splits a group is refused when
 model is built. Under act order (``g_idx``) a rank's columns may belong to any group, so
 it holds every group's scales and zeros (as vLLM does), and per-channel scales are
 whole on every rank.
+
+Act order, once loaded (``sort_act_order``): where a projection holds all of its input
+columns (no row-parallel shard) and each group's columns are exactly ``group_size`` of
+them, as GPTQ writes them, the columns are reordered by group at load time and the input
+is gathered into that order each step (one small gather): the weight then reads like one
+without act order and takes the fast kernels (``kernels.int4_linear``'s GEMVs up to 16
+rows, the dequantization without a g_idx above). Otherwise the g_idx stays.
 """
 
 from __future__ import annotations
@@ -53,25 +60,61 @@ class Int4Weights(nn.Module):
         else:
             num_groups = -(-k // group)
         self.group_size = group
+        self.k_full = k_full
         self.qweight = _frozen(n, -(-k // 8), dtype=torch.int32)
         self.scales = _frozen(n, num_groups, dtype=torch.float32)
         self.zeros = _frozen(n, num_groups, dtype=torch.uint8)
         self.g_idx = _frozen(k, dtype=torch.int32) if scheme.act_order else None
         self._g_idx_loaded = False
+        # Act order sorted at load (``sort_act_order``): input column j of the packed
+        # weight is the checkpoint's column input_order[j].
+        self.input_order: torch.Tensor | None = None
         # One buffer shared by every projection of the model (``share_dequant_scratch``).
         self.scratch: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         return kernels.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size,
                                    self.g_idx, bias, out, self.scratch)  # fmt: skip
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 [N, K] weight held (for checks)."""
+        """The float32 [N, K] weight held, in the checkpoint's column order (for checks)."""
         from kernels.int4_linear import dequantize_int4
 
-        return dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size,
-                               self.g_idx, self.shape[1])  # fmt: skip
+        weight = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size,
+                                 self.g_idx, self.shape[1])  # fmt: skip
+        if self.input_order is None:
+            return weight
+        original = torch.empty_like(weight)
+        original[:, self.input_order] = weight
+        return original
+
+    def sort_act_order(self) -> bool:
+        """Reorder an act-order weight's input columns by group (see the module docstring);
+        False where it cannot be (a row-parallel shard, groups not of ``group_size``)."""
+        if self.g_idx is None or self.shape[1] != self.k_full:
+            return False
+        from kernels.int4_linear import unpack_codes
+
+        k = self.shape[1]
+        g_idx = self.g_idx.data.long()
+        order = torch.argsort(g_idx, stable=True)
+        if not torch.equal(g_idx[order], torch.arange(k, device=g_idx.device) // self.group_size):
+            return False
+        if not torch.equal(order, torch.arange(k, device=order.device)):
+            codes = unpack_codes(self.qweight.data, k)
+            self.qweight.data.copy_(pack_codes(codes[:, order]))
+            self.input_order = order
+        self.g_idx = None
+        return True
+
+
+def sort_act_order(model: nn.Module) -> int:
+    """Every act-order projection that can be, sorted by group (``Int4Weights.sort_act_order``);
+    returns how many were."""
+    return sum(m.sort_act_order() for m in model.modules() if isinstance(m, Int4Weights))
 
 
 def share_dequant_scratch(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -67,6 +67,8 @@ def test_checkpoint_runs_the_weights_it_means(source, tmp_path, layout, group_si
         qkv = torch.cat([meant[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(held_projection(layer, "qkv_proj"), qkv)
         assert torch.equal(held_projection(layer, "down_proj"), meant[prefix + "mlp.down_proj.weight"])
+        if "actorder" in layout:  # sorted by group at load: the kernels without a g_idx
+            assert layer.qkv_proj.g_idx is None and layer.qkv_proj.input_order is not None
     engine = engine_prompt_logprobs(folder)
     assert max_difference(engine, reference_logprobs(source, meant)) < LOGPROB_TOL
     # ...and the 4 bits are visible: the full-precision model is much further away.
@@ -222,3 +224,36 @@ def test_smollm2_int4_quality(tmp_path) -> None:
         if group_size != -1:
             assert kl < MAX_KL and ppl < MAX_PERPLEXITY_RATIO * base_ppl
         shutil.rmtree(target)
+
+
+def test_act_order_sorted_only_where_groups_are_whole() -> None:
+    """``sort_act_order`` reorders an act-order projection's columns by group where each
+    group has exactly ``group_size`` columns (GPTQ's act order), and the output is the
+    unsorted one's; a g_idx of uneven groups, or a row-parallel shard, keeps its g_idx."""
+    from inference.quantization.int4 import Int4Weights
+    from inference.quantization.int4_config import Int4Checkpoint
+    from inference.quantization.int4_packing import pack_codes
+
+    scheme = Int4Checkpoint(method="gptq", group_size=16, act_order=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def projection(g_idx: torch.Tensor, k_full: int = 48) -> Int4Weights:
+        module = Int4Weights(8, 48, k_full, scheme, "proj")
+        module.qweight.data.copy_(pack_codes(torch.randint(0, 16, (8, 48), generator=gen)))
+        groups = module.scales.shape[1]
+        module.scales.data.copy_(torch.rand(8, groups, generator=gen) + 0.5)
+        module.zeros.data.copy_(torch.randint(0, 16, (8, groups), generator=gen))
+        module.g_idx.data.copy_(g_idx)
+        return module
+
+    x = torch.randn(5, 48, generator=gen)
+    whole = (torch.arange(48) // 16)[torch.randperm(48, generator=gen)].to(torch.int32)
+    module = projection(whole)
+    want, held = module(x), module.dequantized()
+    assert module.sort_act_order()
+    assert module.g_idx is None and module.input_order is not None
+    assert torch.equal(module.dequantized(), held)
+    torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
+    uneven = torch.cat([torch.zeros(20), torch.ones(12), torch.full((16,), 2)]).to(torch.int32)
+    assert not projection(uneven).sort_act_order()
+    assert not projection(whole, k_full=96).sort_act_order()  # a row-parallel shard
