@@ -459,12 +459,13 @@ def dot_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def dot_wins_at_one_row(n: int, k: int) -> bool:
-    """At one row the tensor-core GEMV beats the word GEMV on the H200 for the wide and the
-    large square projections (7B gate_up 50.6 vs 63.5 us, 1.5B gate_up 14.4 vs 14.6, 7B o
-    9.3 vs 10.1, 7B qkv a tie) and loses on the small ones and on long K (1.5B qkv 5.0 vs
-    4.7, 7B down 45.9 vs 39.5: int4_check_dot_h200.json). From two rows on it wins
-    everywhere (its time does not grow with the rows up to 16; the word GEMV's does)."""
-    return k <= n and n * k >= 12 * 1024 * 1024
+    """At one row the tensor-core GEMV beats the word GEMV on the H200 for the 7B's wide and
+    square projections (gate_up 50.6 vs 63.5 us, o 9.3 vs 10.1, qkv a tie) and loses on
+    the small ones and on long K (1.5B qkv 5.0 vs 4.7, 7B down 45.9 vs 39.5:
+    int4_check_dot_h200.json); the 1.5B's gate_up (K 1536) is a tie (14.4 vs 14.6) and
+    keeps the word GEMV. From two rows on it wins everywhere (its time does not grow with
+    the rows up to 16; the word GEMV's does)."""
+    return 2048 <= k <= n and n * k >= 12 * 1024 * 1024
 
 
 def dot_config_for(n: int, k: int) -> DotConfig:

@@ -256,3 +256,17 @@ def test_kernels_compile_for_hopper() -> None:
 
     done = run_compile_script(AOT_SCRIPT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_one_row_launches_follow_the_h200_sweep() -> None:
+    """At one row the tensor-core GEMV takes the 7B's wide and square projections, the
+    word GEMV long K and the 1.5B's (int4_check_dot_h200.json); every launch has a config."""
+    from kernels._triton.int4_linear import dot_config_for, dot_wins_at_one_row
+
+    assert dot_wins_at_one_row(37888, 3584) and dot_wins_at_one_row(3584, 3584)
+    assert dot_wins_at_one_row(4608, 3584)
+    for n, k in ((3584, 18944), (17920, 1536), (2048, 1536), (1536, 8960)):
+        assert not dot_wins_at_one_row(n, k)
+    assert dot_config_for(37888, 3584).block_k == 64  # wide: 64 x 64 tiles, K in halves
+    assert dot_config_for(3584, 18944).num_warps == 8  # long K: 128 x 128 tiles
+    assert dot_config_for(1536, 8960).split == 8
