@@ -489,7 +489,8 @@ def int4_gemv_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """out [M, N] (rows contiguous) = x [M, K] @ W.T (+ bias) by the tensor-core GEMV.
     Same eligibility as the word GEMV (``words_eligible``: no act order)."""
     grid, args, meta = dot_launch(x, qweight, scales, zeros, group_size, bias, out, config)
-    _int4_gemv_dot_kernel[grid](*args, **meta)
+    pdl = meta.pop("launch_pdl")
+    _int4_gemv_dot_kernel[grid](*args, launch_pdl=pdl, **meta)
     if meta["USE_WS"]:
         m, n, workspace, bias_arg = x.shape[0], qweight.shape[0], args[6], args[4]
         block = min(1024, triton.next_power_of_2(n))
