@@ -139,21 +139,33 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Overwrite each sequence's ``draft_token_ids`` (all known tokens; its KV slots
-        allocated for them by this step's schedule) with the draft model's greedy guesses."""
+        allocated for them by this step's schedule) with the draft model's greedy guesses.
+
+        The guesses stay on the device between the draft's forwards: a forward reads the
+        previous one's picks as placeholders (``-1 - i`` stands for ``sampled_ids[i]``,
+        resolved inside the captured graph), so the host queues every forward of the
+        round without waiting and reads all guesses back once, at the end."""
         seqs = [s for s in seqs if s.draft_token_ids]
         if not seqs:
             return
         starts = [self._valid_prefix(seq) for seq in seqs]
-        first = self._catch_up(seqs, starts)
-        for seq, token in zip(seqs, first):
-            seq.draft_token_ids[0] = token
+        picks = self._catch_up(seqs, starts)
+        rounds = [(seqs, picks)]
+        rows = seqs
+        sampled_ids = self.runner.sampled_ids
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
-            rows = [s for s in seqs if len(s.draft_token_ids) > j]
-            tokens = [s.draft_token_ids[j - 1] for s in rows]
+            keep = [i for i, s in enumerate(rows) if len(s.draft_token_ids) > j]
+            sampled_ids[: len(rows)].copy_(picks)
+            rows = [rows[i] for i in keep]
             positions = [s.num_tokens - 1 + j for s in rows]
-            picks = self._forward(rows, [[t] for t in tokens], positions, sample=rows)
-            for seq, token in zip(rows, picks):
+            picks = self._forward(rows, [[-1 - i] for i in keep], positions, sample=rows)
+            rounds.append((rows, picks))
+        values = torch.cat([p for _, p in rounds]).tolist()  # the round's one wait
+        at = 0
+        for j, (rows, _) in enumerate(rounds):
+            for seq, token in zip(rows, values[at : at + len(rows)]):
                 seq.draft_token_ids[j] = token
+            at += len(rows)
         for seq in seqs:  # positions up to the last draft's are written, not that one
             self._kv[seq].num_tokens = seq.num_tokens - 1 + len(seq.draft_token_ids)
 
@@ -165,46 +177,49 @@ class DraftModelProposer:
         state.num_tokens = min(state.num_tokens, seq.num_computed_tokens)
         return state.num_tokens
 
-    def _catch_up(self, seqs: list[Sequence], starts: list[int]) -> list[int]:
+    def _catch_up(self, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
         """Run the tokens from each sequence's valid prefix to its last token through the
-        draft (in chunks of the step budget); returns the first draft of each."""
-        first: dict[int, int] = {}
+        draft (in chunks of the step budget); returns the first draft of each, on the
+        device. A chunk takes the sequences in order, so they finish (and are sampled) in
+        order."""
+        parts: list[torch.Tensor] = []
         done = list(starts)
-        while len(first) < len(seqs):
+        while done[-1] < seqs[-1].num_tokens:
             budget = self.max_num_batched_tokens
             rows, chunks, positions, sample = [], [], [], []
             for i, seq in enumerate(seqs):
-                if i in first or budget <= 0:
+                if done[i] == seq.num_tokens or budget <= 0:
                     continue
                 n = min(seq.num_tokens - done[i], budget)
-                rows.append(i)
+                rows.append(seq)
                 chunks.append(seq.token_ids[done[i] : done[i] + n])
                 positions.append(done[i])
                 done[i] += n
                 budget -= n
                 if done[i] == seq.num_tokens:
-                    sample.append(i)
-            picks = self._forward([seqs[i] for i in rows], chunks, positions,
-                                  sample=[seqs[i] for i in sample])  # fmt: skip
-            first.update(zip(sample, picks))
-        return [first[i] for i in range(len(seqs))]
+                    sample.append(seq)
+            parts.append(self._forward(rows, chunks, positions, sample))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     @torch.inference_mode()
     def _forward(
         self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int],
         sample: list[Sequence],
-    ) -> list[int]:
+    ) -> torch.Tensor:
         """One draft forward: ``chunks[i]`` at positions from ``starts[i]`` of ``seqs[i]``;
-        the argmax after the last token of each sequence in ``sample``."""
+        the argmax after the last token of each sequence in ``sample``, on the device
+        (queued, not waited for)."""
         inputs = chunk_step_inputs(seqs, chunks, starts, self.block_size)
         hidden = self.runner.run_model(inputs)
         if not sample:
-            return []
-        chosen = {id(s) for s in sample}
-        ends = inputs.query_start_loc[1:] - 1
-        rows = [int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen]
-        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        return logits[:, : self.num_proposable].argmax(dim=-1).tolist()
+            return torch.empty(0, dtype=torch.int64, device=hidden.device)
+        if len(sample) < len(seqs) or inputs.max_query_len > 1:
+            chosen = {id(s) for s in sample}
+            ends = inputs.query_start_loc[1:] - 1
+            rows = [int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen]
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        logits = self.runner.model.compute_logits(hidden)
+        return logits[:, : self.num_proposable].argmax(dim=-1)
 
 
 def chunk_step_inputs(
