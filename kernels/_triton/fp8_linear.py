@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels._gemv_table import FMA_MAX_M, GemvConfig
 from kernels._triton.fp8_quant import quantize_per_token
-from kernels._triton.linear import _fold, _rows, _rows_bucket, _splitk_reduce_kernel
+from kernels._triton.linear import _fold, _rows, _rows_bucket, reduce_splits
 from kernels._triton.pdl import launch_pdl, wait_for_inputs
 from kernels.fp8_quant import Fp8Activations
 
@@ -317,12 +317,7 @@ def launch(
             launch_pdl=launch_pdl(out),
         )  # fmt: skip
     if use_ws:
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            workspace, bias_arg, out, m, n, out.stride(0), split,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            launch_pdl=launch_pdl(out),
-        )  # fmt: skip
+        reduce_splits(workspace, bias, out, split)
     return out
 
 

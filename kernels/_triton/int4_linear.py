@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.linear import _splitk_reduce_kernel, _store_row
+from kernels._triton.linear import _store_row, reduce_splits
 from kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
@@ -375,13 +375,9 @@ def int4_gemv_words(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                                   USE_WS=use_ws, HAS_BIAS=bias is not None,
                                   num_warps=config.num_warps, launch_pdl=launch_pdl(out))  # fmt: skip
     if use_ws:
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            workspace, bias_arg, out, m, n, out.stride(0), split,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            launch_pdl=launch_pdl(out),
-        )  # fmt: skip
+        reduce_splits(workspace, bias, out, split)
     return out
+
 
 
 @dataclass(frozen=True)
@@ -492,13 +488,7 @@ def int4_gemv_dot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     pdl = meta.pop("launch_pdl")
     _int4_gemv_dot_kernel[grid](*args, launch_pdl=pdl, **meta)
     if meta["USE_WS"]:
-        m, n, workspace, bias_arg = x.shape[0], qweight.shape[0], args[6], args[4]
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            workspace, bias_arg, out, m, n, out.stride(0), grid[1],
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            launch_pdl=launch_pdl(out),
-        )  # fmt: skip
+        reduce_splits(args[6], bias, out, grid[1])
     return out
 
 

@@ -256,13 +256,21 @@ def launch(
             launch_pdl=launch_pdl(out),
         )  # fmt: skip
     if use_ws:
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            workspace, bias if bias is not None else out, out, m, n, out.stride(0), split,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            launch_pdl=launch_pdl(out),
-        )  # fmt: skip
+        reduce_splits(workspace, bias, out, split)
     return out
+
+
+def reduce_splits(workspace: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  split: int) -> None:  # fmt: skip
+    """out [M, N] = the sum of a split-K GEMV's ``split`` float32 partials [split, M, N],
+    in a fixed order (+ bias)."""
+    m, n = out.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        workspace, out if bias is None else bias, out, m, n, out.stride(0), split,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        launch_pdl=launch_pdl(out),
+    )  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
