@@ -216,8 +216,12 @@ class DraftModelProposer:
         if len(sample) < len(seqs) or inputs.max_query_len > 1:
             chosen = {id(s) for s in sample}
             ends = inputs.query_start_loc[1:] - 1
-            rows = [int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen]
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            rows = torch.tensor([int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen])
+            if hidden.device.type == "cuda":
+                # From pinned memory: a copy from pageable memory waits for the stream, so
+                # the host could not queue the round's next forwards behind this one.
+                rows = rows.pin_memory()
+            hidden = hidden[rows.to(hidden.device, non_blocking=True)]
         logits = self.runner.model.compute_logits(hidden)
         return logits[:, : self.num_proposable].argmax(dim=-1)
 
