@@ -243,10 +243,6 @@ class BlockManager:
             self.free_block_ids.move_to_end(block_id, last=False)
         self.num_blocks = max(self.num_blocks, num_blocks)
 
-    def num_used_blocks_from(self, num_blocks: int) -> int:
-        """Blocks at or past ``num_blocks`` that live sequences reference."""
-        return sum(1 for b in self.blocks[num_blocks:] if b.ref_count > 0)
-
     def shrink_moves(self, num_blocks: int) -> list[tuple[int, int]] | None:
         """(from, to) block copies that empty every block at or past ``num_blocks``: each
         referenced block there moves to a free one below, emptiest first (a block without

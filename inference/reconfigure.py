@@ -101,10 +101,6 @@ class ChangePlan:
     notes: list[str] = field(default_factory=list)
     victims: list[Sequence] = field(default_factory=list, repr=False)
 
-    @property
-    def changes_anything(self) -> bool:
-        return self.before != self.after
-
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["victims"]
