@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -54,7 +54,7 @@ from inference.sampler import (
 )
 from inference.sampling_params import SamplingParams, check_max_logprobs
 from inference.scheduler import ScheduledBatch
-from inference.sequence import Sequence
+from inference.sequence import Sequence, SequenceStatus
 from inference.spec_decode.drafting import SpecDecoder, VerifiedTokens
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,16 @@ class _LaunchedStep:
     grammar_ended: dict[int, bool] | None = None
     # Speculative decoding: turns the samples of a step that verified drafts (one per
     # position) into one first token per sequence (``extra``: the accepted ones after it).
-    split: Callable[[SamplerOutput], VerifiedTokens] | None = None
+    split: Callable[..., VerifiedTokens] | None = None
     extra: list[list[tuple[int, RowLogprobs | None]]] | None = None
+    # Each sampled row's drafts (a step that verified some; None otherwise).
+    drafts: list[list[int]] | None = None
+    # Pipelined n-gram drafts (``LLMEngine._extend_tentatively``): sample row -> how many
+    # drafts of this step its sequence took as accepted, for the next step, before this
+    # one's picks were read; ``void``: rows whose own tentative extension did not hold
+    # (their results are dropped).
+    tentative: dict[int, int] = field(default_factory=dict)
+    void: set[int] = field(default_factory=set)
     _output: SamplerOutput | None = None
     _read: bool = False
 
@@ -90,7 +98,7 @@ class _LaunchedStep:
         if not self._read:
             self._output, self._read = self.handle.result(), True
             if self.split is not None and self._output is not None:
-                verified = self.split(self._output)
+                verified = self.split(self._output, void=self.void)
                 self._output, self.extra = verified.first, verified.extra
         return self._output
 
@@ -122,8 +130,14 @@ class LLMEngine:
         speculative = config.speculative()
         # Speculative decoding: proposes drafts before each step is scheduled (a draft
         # model fills them in once the schedule has given them KV slots).
+        # With async scheduling n-gram drafts are pipelined: the next verify step is
+        # launched before the one in flight is read, on the guess that all its drafts
+        # hold (``_extend_tentatively``); a draft model's need every token known.
+        self._pipelined_drafts = (
+            speculative is not None and parts.draft is None and config.async_scheduling)
         self.spec_decoder = (
-            SpecDecoder(speculative, parts.draft) if speculative is not None else None)
+            SpecDecoder(speculative, parts.draft, pipelined=self._pipelined_drafts)
+            if speculative is not None else None)
         if speculative is not None:
             logger.info("speculative decoding: %s", speculative.summary())
         self.requests: dict[str, RequestState] = {}
@@ -311,14 +325,82 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self, outputs: list[RequestOutput]) -> None:
-        """Drafts need every token known: where this step may speculate, the step in
-        flight completes first (speculation and async overlap trade; above the batch
-        size where drafts stop, steps overlap as usual)."""
+        """A draft model needs every token known: where this step may speculate, the step
+        in flight completes first (above the batch size where drafts stop, steps overlap
+        as usual). N-gram drafts are pipelined instead: the step in flight's drafts are
+        taken as accepted (``_extend_tentatively``) and the next drafts guessed from
+        them, so this step is launched while that one runs."""
         running = self.scheduler.running
         if self._in_flight is not None and self.spec_decoder.may_draft(len(running)):
-            previous, self._in_flight = self._in_flight, None
-            self._complete(previous, outputs)
+            if self._pipelined_drafts:
+                self._extend_tentatively(self._in_flight)
+            else:
+                previous, self._in_flight = self._in_flight, None
+                self._complete(previous, outputs)
         self.spec_decoder.propose(running)
+
+    def _extend_tentatively(self, step: _LaunchedStep) -> None:
+        """Each sequence the step in flight verifies drafts for continues, until that step
+        is read, as if they all were accepted: its first pick's placeholder takes the
+        first draft's value, the other drafts follow, and the token after them is a
+        placeholder for the pick the runner leaves in ``sampled_ids`` (the bonus: a
+        verified row's last pick). All of them stay pending (never hashed, never
+        output); ``_restore_tentative`` undoes this once the step is read."""
+        if step.drafts is None:
+            return
+        for i, (seq, drafts) in enumerate(zip(step.seqs, step.drafts, strict=True)):
+            if (not drafts or i in step.void or seq.status is not SequenceStatus.RUNNING
+                    or seq.num_tokens != step.positions[i] + 1):
+                continue
+            seq.token_ids[-1] = drafts[0]
+            seq.token_ids.extend(drafts[1:])
+            seq.append_placeholder(-1 - i)
+            seq.num_pending_tokens += len(drafts) - 1
+            seq.num_computed_tokens += len(drafts)
+            step.tentative[i] = len(drafts)
+
+    def _restore_tentative(self, step: _LaunchedStep) -> list[tuple[int, list[int]]]:
+        """Before a step's picks are taken in: each tentatively extended sequence back to
+        how the step left it (its first pick's placeholder last). Returns, per such row,
+        what the next step (now in flight) added after the extension: its placeholder,
+        if that step ran the sequence."""
+        restored = []
+        for i, num_drafts in step.tentative.items():
+            seq = step.seqs[i]
+            if seq.is_finished:
+                continue  # aborted meanwhile: its placeholders are gone
+            position = step.positions[i]
+            after = seq.token_ids[position + num_drafts + 1 :]
+            del seq.token_ids[position + 1 :]
+            seq.num_pending_tokens = 1
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens = position
+            restored.append((i, after))
+        return restored
+
+    def _settle_tentative(
+        self, step: _LaunchedStep, restored: list[tuple[int, list[int]]]
+    ) -> None:
+        """After a step's picks are taken in: a row whose drafts were all accepted is just
+        where the next step (in flight) assumed, which gets its launch's effects back (the
+        token it computes, its placeholder); any other row of that step is void."""
+        following = self._in_flight if self._in_flight is not step else None
+        for i, after in restored:
+            seq = step.seqs[i]
+            if not after:
+                continue  # the next step did not run it: its state is already right
+            row = -1 - after[0]
+            held = (
+                seq.status is SequenceStatus.RUNNING
+                and len(step.extra[i]) == step.tentative[i]
+                and seq.num_tokens == step.positions[i] + step.tentative[i] + 1
+            )
+            if held:
+                seq.num_computed_tokens += 1
+                seq.append_placeholder(after[0])
+                self.block_manager.cache_full_blocks(seq)
+            elif following is not None:
+                following.void.add(row)
 
     def _launch(self, batch: ScheduledBatch) -> _LaunchedStep:
         now = time.time()
@@ -351,15 +433,17 @@ class LLMEngine:
             self.spec_decoder.observe(seqs, counts, handle.hidden_states)
         prompt_logprobs = [(seqs[r.row], r) for r in sampling.prompt_logprobs]
         positions = self.scheduler.on_step_launched(batch, now)
-        # A step that verifies drafts completes before the next is scheduled: how many
-        # tokens each row gains is known only then.
-        needs_sync = speculating or any(has_penalties(s.params) for s in sampled_seqs)
+        # A step that verifies a draft model's drafts completes before the next is
+        # scheduled: how many tokens each row gains is known only then (pipelined n-gram
+        # drafts guess it: ``_extend_tentatively``).
+        needs_sync = (speculating and not self._pipelined_drafts) or any(
+            has_penalties(s.params) for s in sampled_seqs)
         split = None
         if speculating:
             split = partial(self.spec_decoder.split, seqs=sampled_seqs, drafts=drafts)
         return _LaunchedStep(
             handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained),
-            split=split,
+            split=split, drafts=drafts if speculating else None,
         )
 
     def _fill_bitmask(self, in_flight: _LaunchedStep | None, matchers: list) -> np.ndarray:
@@ -391,16 +475,24 @@ class LLMEngine:
         sampled = step.result()
         if sampled is None:
             return
+        restored = self._restore_tentative(step) if step.tentative else []
         self._advance_grammars(step)
         grammar_ended = step.grammar_ended or {}
         processor = self.output_processor
         for (seq, asked), result in zip(step.prompt_logprobs, sampled.prompt_logprobs, strict=True):
             processor.add_prompt_logprobs(seq, asked.target_ids, result)
-        self.scheduler.on_step_finished(step.seqs, step.positions, sampled.token_ids)
+        void = step.void
+        if void:
+            rows = [i for i in range(len(step.seqs)) if i not in void]
+            self.scheduler.on_step_finished(
+                [step.seqs[i] for i in rows], [step.positions[i] for i in rows],
+                [sampled.token_ids[i] for i in rows])
+        else:
+            self.scheduler.on_step_finished(step.seqs, step.positions, sampled.token_ids)
         touched: dict[str, RequestState] = {}
         now = time.time()
         for i, seq in enumerate(step.seqs):
-            if seq.is_finished:
+            if seq.is_finished or i in void:
                 continue  # aborted, or stopped by an earlier token while this step ran
             request = self.requests[seq.request_id]
             finished = processor.process_token(
@@ -417,6 +509,8 @@ class LLMEngine:
             if finished:
                 self.scheduler.finish(seq)
             touched[request.request_id] = request
+        if restored:
+            self._settle_tentative(step, restored)
         for request in touched.values():
             self._emit(request, outputs)
 

@@ -174,10 +174,13 @@ class Scheduler:
     def on_draft_accepted(self, seq: Sequence, token_id: int) -> None:
         """After ``on_step_finished`` put a verified step's first token in place: the
         target's next token ``token_id`` follows an accepted draft, so that draft (the
-        token before it, whose KV the step wrote) is computed now."""
+        token before it, whose KV the step wrote) is computed now (unless the sequence was
+        preempted while the step ran: with pipelined drafts the next step is scheduled
+        before this one is read)."""
         seq.token_ids.append(token_id)
-        seq.num_computed_tokens += 1
-        self.block_manager.cache_full_blocks(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens += 1
+            self.block_manager.cache_full_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

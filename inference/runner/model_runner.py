@@ -428,8 +428,14 @@ class ModelRunner:
             last_hidden = hidden[rows.to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(last_hidden)
         sampled = self.sampler.sample(logits, sampling)
-        if not verifying:  # a verifying step completes before the next is built
+        if not verifying:
             self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
+        else:  # each row's last pick (all its drafts accepted: the token after them)
+            ends = torch.from_numpy(np.cumsum(num_drafts + 1) - 1)
+            if self.device.type == "cuda":
+                ends = ends.pin_memory()
+            self.sampled_ids[: len(sample_rows)].copy_(
+                sampled.token_ids[ends.to(self.device, non_blocking=True)])
         return StepHandle(sampled.start_copy_to_host(), prompt_logprobs, kept)
 
 

@@ -5,7 +5,9 @@ sequences their drafts (a draft model's are placeholders until ``SpecDecoder.fil
 the schedule has reserved their KV slots: the draft model writes its own KV there). A sequence drafts only where the result is exactly what
 non-speculative decoding would produce and where drafting is likely to pay:
 
-- decoding (one uncomputed token, every token known: no placeholder of a step in flight);
+- decoding (one uncomputed token; every token known, or, for pipelined n-gram drafts
+  under async scheduling, only the last one still on the device: the step in flight's
+  drafts are then taken as accepted and the proposal guesses one token further);
 - no structured output (its grammar matcher advances one token at a time, between steps)
   and no repetition/frequency/presence penalty (they read the output so far, which the
   drafts would change mid-step): such rows are excluded, not approximated;
@@ -26,6 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from inference.sampler import SamplerOutput
@@ -87,9 +90,14 @@ class DraftProposer(Protocol):
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, draft: DraftProposer | None = None,
+        pipelined: bool = False,
+    ) -> None:
         """``draft``: the model of ``method="draft_model"`` or ``"eagle"`` (None for
-        n-gram)."""
+        n-gram). ``pipelined`` (n-gram with async scheduling): a sequence whose last token
+        is still on the device drafts anyway, from its known tokens and the drafts in
+        flight (the engine's tentative extension), guessing one token further."""
         if (config.method in MODEL_METHODS) != (draft is not None):
             raise ValueError(f"speculative method {config.method!r} with draft {draft!r}")
         self.config = config
@@ -104,6 +112,7 @@ class SpecDecoder:
             weakref.WeakKeyDictionary()
         )
         self._step = 0
+        self.pipelined = pipelined and draft is None
 
     def may_draft(self, num_running: int) -> bool:
         """Whether a step of this many running sequences speculates at all (the engine
@@ -122,7 +131,7 @@ class SpecDecoder:
         return num_drafting
 
     def _drafts(self, seq: Sequence) -> list[int]:
-        if not _eligible(seq):
+        if not _eligible(seq, self.pipelined):
             return []
         state = self._states.get(seq)
         if state is None:
@@ -132,8 +141,15 @@ class SpecDecoder:
         room = seq.num_prompt_tokens + seq.params.max_tokens - seq.num_tokens - 1
         if self.draft is not None:  # placeholders: the draft model fills them (``fill``)
             return [0] * max(0, min(room, self.config.num_speculative_tokens))
-        tokens = state.history.sync(seq.token_ids, seq.num_tokens)
-        return self.proposer.propose(tokens, room)
+        known = seq.num_known_tokens
+        tokens = state.history.sync(seq.token_ids, known)
+        if seq.num_pending_tokens == 0:
+            return self.proposer.propose(tokens, room)
+        # The last token is on the device (pending drafts before it are the step in
+        # flight's, as if accepted): guess it too, and draft what follows the guess.
+        if seq.num_tokens - 1 > known:
+            tokens = np.concatenate([tokens, seq.token_ids[known : seq.num_tokens - 1]])
+        return self.proposer.propose(tokens, room + 1, lookahead=1)[1:]
 
     def fill(self, scheduled: list[Sequence]) -> None:
         """After the schedule reserved KV slots for the drafts (and trimmed them to the
@@ -154,13 +170,16 @@ class SpecDecoder:
             self.draft.close()
 
     def split(
-        self, output: SamplerOutput, seqs: list[Sequence], drafts: list[list[int]]
+        self, output: SamplerOutput, seqs: list[Sequence], drafts: list[list[int]],
+        void: set[int] | frozenset[int] = frozenset(),
     ) -> VerifiedTokens:
         """Per sampled sequence with drafts d (k of them) and picks t (k + 1): keep t[0..m]
-        where m is the first position whose pick differs from its draft (or k)."""
+        where m is the first position whose pick differs from its draft (or k). Rows in
+        ``void`` (their step ran on a tentative extension that did not hold) are not
+        counted."""
         first_ids, first_logprobs, extra = [], [], []
         position = 0
-        for seq, row_drafts in zip(seqs, drafts, strict=True):
+        for row, (seq, row_drafts) in enumerate(zip(seqs, drafts, strict=True)):
             picks = output.token_ids[position : position + len(row_drafts) + 1]
             logprobs = output.logprobs[position : position + len(row_drafts) + 1]
             position += len(row_drafts) + 1
@@ -172,7 +191,7 @@ class SpecDecoder:
             first_logprobs.append(logprobs[0])
             extra.append(list(zip(picks[1 : num_accepted + 1],
                                   logprobs[1 : num_accepted + 1])))
-            if row_drafts:
+            if row_drafts and row not in void:
                 self._count(num_accepted, len(row_drafts))
                 self._track(seq, num_accepted)
         first = SamplerOutput(first_ids, first_logprobs, output.prompt_logprobs)
@@ -201,11 +220,11 @@ class SpecDecoder:
             counters.accepted_per_position[position] += 1
 
 
-def _eligible(seq: Sequence) -> bool:
+def _eligible(seq: Sequence, pipelined: bool) -> bool:
     p = seq.params
     return (
         seq.status is SequenceStatus.RUNNING
-        and seq.num_pending_tokens == 0
+        and (pipelined or seq.num_pending_tokens == 0)
         and seq.num_tokens - seq.num_computed_tokens == 1
         and seq.grammar is None
         and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty

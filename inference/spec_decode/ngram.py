@@ -49,11 +49,15 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: np.ndarray, max_drafts: int | None = None) -> list[int]:
-        """Up to ``k`` (and ``max_drafts``) tokens that followed the most recent earlier
-        occurrence of the longest matching suffix of ``tokens``; [] when none matches."""
-        k = self.num_speculative_tokens if max_drafts is None else min(
-            max_drafts, self.num_speculative_tokens)
+    def propose(
+        self, tokens: np.ndarray, max_drafts: int | None = None, lookahead: int = 0
+    ) -> list[int]:
+        """Up to ``k + lookahead`` (and ``max_drafts``) tokens that followed the most recent
+        earlier occurrence of the longest matching suffix of ``tokens``; [] when none
+        matches."""
+        k = self.num_speculative_tokens + lookahead
+        if max_drafts is not None:
+            k = min(max_drafts, k)
         length = len(tokens)
         if k <= 0 or length < self.min_n + 1:
             return []

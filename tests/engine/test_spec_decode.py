@@ -130,8 +130,51 @@ def test_greedy_output_is_unchanged_on_randomized_workloads(random_llama, cyclin
             logprobs=rng.choice([None, 1, 3]), min_tokens=rng.choice([0, 0, 4]),
         ))
     _compare(cycling[0], prompts, params)
-    _compare(random_llama, prompts, params, require_acceptance=False,
-             async_scheduling=False, max_num_batched_tokens=16)
+    for asynchronous in (False, True):  # pipelined drafts that mostly fail, with async
+        _compare(random_llama, prompts, params, require_acceptance=False,
+                 async_scheduling=asynchronous, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("engine", [
+    {},
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 16, "max_model_len": 48},  # preemption
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill; budget trims drafts
+])
+def test_pipelined_ngram_drafts_hold_or_are_voided_losslessly(cycling, random_llama,
+                                                               monkeypatch, engine):
+    """With async scheduling the next verify step is launched before the one in flight is
+    read, on the guess that all its drafts hold: on the cycling model the guesses hold
+    (and steps overlap); on a random model they fail and the next step's rows are voided.
+    Either way the output is the plain engine's, and no rejected draft reaches the cache."""
+    from inference.llm_engine import LLMEngine
+
+    seen = {"extended": 0, "voided": 0}
+    extend, settle = LLMEngine._extend_tentatively, LLMEngine._settle_tentative
+
+    def counting_extend(self, step):
+        extend(self, step)
+        seen["extended"] += len(step.tentative)
+
+    def counting_settle(self, step, restored):
+        following = self._in_flight if self._in_flight is not step else None
+        before = len(following.void) if following is not None else 0
+        settle(self, step, restored)
+        seen["voided"] += (len(following.void) if following is not None else 0) - before
+
+    monkeypatch.setattr(LLMEngine, "_extend_tentatively", counting_extend)
+    monkeypatch.setattr(LLMEngine, "_settle_tentative", counting_settle)
+    folder, tokenizer = cycling
+    prompts, params = _cycling_workload(tokenizer)
+    spec = _compare(folder, prompts, params, **engine)
+    assert spec.engine._pipelined_drafts
+    assert seen["extended"] > 0, seen
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))] * 2
+               for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(4, 20), ignore_eos=True,
+                             logprobs=rng.choice([None, 2])) for _ in prompts]
+    _compare(random_llama, prompts, params, require_acceptance=False, **engine)
+    assert seen["voided"] > 0, seen
 
 
 def test_structured_and_penalised_requests_run_without_drafts(cycling):
