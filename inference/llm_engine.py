@@ -81,10 +81,8 @@ class _LaunchedStep:
     # position) into one first token per sequence (``extra``: the accepted ones after it).
     split: Callable[..., VerifiedTokens] | None = None
     extra: list[list[tuple[int, RowLogprobs | None]]] | None = None
-    # Each sampled row's drafts (a step that verified some; None otherwise), and with
-    # pipelined drafts how many of them the next step assumes accepted.
+    # Each sampled row's drafts (a step that verified some; None otherwise).
     drafts: list[list[int]] | None = None
-    assumed: list[int] | None = None
     # Pipelined n-gram drafts (``LLMEngine._extend_tentatively``): sample row -> how many
     # drafts of this step its sequence took as accepted, for the next step, before this
     # one's picks were read; ``void``: rows whose own tentative extension did not hold
@@ -343,26 +341,23 @@ class LLMEngine:
 
     def _extend_tentatively(self, step: _LaunchedStep) -> None:
         """Each sequence the step in flight verifies drafts for continues, until that step
-        is read, as if the first ``step.assumed[i]`` of them (all, or none) were accepted:
-        its first pick's placeholder takes the first draft's value, the other assumed
-        drafts follow, and the token after them is a placeholder for the pick the runner
-        leaves in ``sampled_ids`` (the one after the assumed drafts). All of them stay
-        pending (never hashed, never output); ``_restore_tentative`` undoes this once the
-        step is read."""
-        if step.drafts is None or step.assumed is None:
+        is read, as if they all were accepted: its first pick's placeholder takes the
+        first draft's value, the other drafts follow, and the token after them is a
+        placeholder for the pick the runner leaves in ``sampled_ids`` (the bonus: a
+        verified row's last pick). All of them stay pending (never hashed, never
+        output); ``_restore_tentative`` undoes this once the step is read."""
+        if step.drafts is None:
             return
         for i, (seq, drafts) in enumerate(zip(step.seqs, step.drafts, strict=True)):
             if (not drafts or i in step.void or seq.status is not SequenceStatus.RUNNING
                     or seq.num_tokens != step.positions[i] + 1):
                 continue
-            assumed = step.assumed[i]
-            if assumed:
-                seq.token_ids[-1] = drafts[0]
-                seq.token_ids.extend(drafts[1:assumed])
-                seq.append_placeholder(-1 - i)
-                seq.num_pending_tokens += assumed - 1
-                seq.num_computed_tokens += assumed
-            step.tentative[i] = assumed
+            seq.token_ids[-1] = drafts[0]
+            seq.token_ids.extend(drafts[1:])
+            seq.append_placeholder(-1 - i)
+            seq.num_pending_tokens += len(drafts) - 1
+            seq.num_computed_tokens += len(drafts)
+            step.tentative[i] = len(drafts)
 
     def _restore_tentative(self, step: _LaunchedStep) -> list[tuple[int, list[int]]]:
         """Before a step's picks are taken in: each tentatively extended sequence back to
@@ -386,10 +381,9 @@ class LLMEngine:
     def _settle_tentative(
         self, step: _LaunchedStep, restored: list[tuple[int, list[int]]]
     ) -> None:
-        """After a step's picks are taken in: a row that accepted exactly the drafts assumed
-        is just where the next step (in flight) assumed, which gets its launch's effects
-        back (the token it computes, its placeholder); any other row of that step is
-        void."""
+        """After a step's picks are taken in: a row whose drafts were all accepted is just
+        where the next step (in flight) assumed, which gets its launch's effects back (the
+        token it computes, its placeholder); any other row of that step is void."""
         following = self._in_flight if self._in_flight is not step else None
         for i, after in restored:
             seq = step.seqs[i]
@@ -419,8 +413,6 @@ class LLMEngine:
         drafts = [list(s.draft_token_ids) for s in sampled_seqs]
         speculating = any(drafts)
         sampling = self._sampling_metadata(sampled_seqs, drafts if speculating else None)
-        if speculating and self._pipelined_drafts:
-            sampling.assumed_accepted = self.spec_decoder.assumed_accepted(sampled_seqs, drafts)
         if self._unscored:
             sampling.prompt_logprobs = _prompt_logprobs_requests(seqs, counts, self._unscored)
         constrained = [row for row, s in enumerate(sampled_seqs) if s.grammar is not None]
@@ -452,7 +444,6 @@ class LLMEngine:
         return _LaunchedStep(
             handle, sampled_seqs, positions, needs_sync, prompt_logprobs, bool(constrained),
             split=split, drafts=drafts if speculating else None,
-            assumed=sampling.assumed_accepted,
         )
 
     def _fill_bitmask(self, in_flight: _LaunchedStep | None, matchers: list) -> np.ndarray:

@@ -80,9 +80,6 @@ class SamplingMetadata:
     # per-row lists then hold one entry per expanded row (each draft's position, then one
     # more: ``inference.spec_decode.rejection``); None: one position per row.
     draft_token_ids: list[list[int]] | None = None
-    # Pipelined drafts: per sampled row, how many of its drafts the next step assumes
-    # accepted; the runner leaves the pick after them in ``sampled_ids`` (None: all).
-    assumed_accepted: list[int] | None = None
 
     def resolve_token_bitmask(self) -> np.ndarray | None:
         if self.fill_token_bitmask is not None:

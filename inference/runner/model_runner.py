@@ -430,10 +430,8 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, sampling)
         if not verifying:
             self.sampled_ids[: len(sample_rows)].copy_(sampled.token_ids)
-        else:  # each row's pick after the drafts assumed accepted (by default all)
-            assumed = num_drafts if sampling.assumed_accepted is None else np.asarray(
-                sampling.assumed_accepted, np.int64)
-            ends = torch.from_numpy(np.cumsum(num_drafts + 1) - (num_drafts + 1) + assumed)
+        else:  # each row's last pick (all its drafts accepted: the token after them)
+            ends = torch.from_numpy(np.cumsum(num_drafts + 1) - 1)
             if self.device.type == "cuda":
                 ends = ends.pin_memory()
             self.sampled_ids[: len(sample_rows)].copy_(

@@ -45,7 +45,6 @@ _MAX_BACKOFF_STEPS = 256
 class _DraftState:
     history: TokenHistory = field(default_factory=TokenHistory)
     failed_steps: int = 0  # verified steps in a row that accepted nothing
-    all_held: bool = True  # its last verified step accepted every draft
     backoff: int = _BACKOFF_STEPS
     resume_at_step: int = 0
 
@@ -152,18 +151,6 @@ class SpecDecoder:
             tokens = np.concatenate([tokens, seq.token_ids[known : seq.num_tokens - 1]])
         return self.proposer.propose(tokens, room + 1, lookahead=1)[1:]
 
-    def assumed_accepted(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
-        """Pipelined drafts: how many of each row's drafts the next step takes as accepted
-        before this one is read. All of them where the sequence's last verified step
-        accepted all (copying text keeps copying), else none (a first draft that fails
-        is the common miss); a wrong guess costs that row its next step."""
-        guesses = []
-        for seq, row_drafts in zip(seqs, drafts, strict=True):
-            state = self._states.get(seq)
-            held = state is None or state.all_held
-            guesses.append(len(row_drafts) if held else 0)
-        return guesses
-
     def fill(self, scheduled: list[Sequence]) -> None:
         """After the schedule reserved KV slots for the drafts (and trimmed them to the
         budget): the draft model's guesses in place of the placeholders."""
@@ -206,16 +193,15 @@ class SpecDecoder:
                                   logprobs[1 : num_accepted + 1])))
             if row_drafts and row not in void:
                 self._count(num_accepted, len(row_drafts))
-                self._track(seq, num_accepted, len(row_drafts))
+                self._track(seq, num_accepted)
         first = SamplerOutput(first_ids, first_logprobs, output.prompt_logprobs)
         return VerifiedTokens(first, extra)
 
-    def _track(self, seq: Sequence, num_accepted: int, num_drafts: int) -> None:
+    def _track(self, seq: Sequence, num_accepted: int) -> None:
         """The acceptance tracker: back off a sequence whose drafts keep failing."""
         state = self._states.get(seq)
         if state is None:
             return
-        state.all_held = num_accepted == num_drafts
         if num_accepted:
             state.failed_steps, state.backoff = 0, _BACKOFF_STEPS
             return
