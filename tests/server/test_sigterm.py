@@ -5,6 +5,7 @@ with an OpenAI-shaped error, and exit 0. A port in use fails at once."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,17 @@ def stream_completion(base_url: str, body: dict, result: dict, first_chunk: thre
     finally:
         first_chunk.set()
     result["chunks"] = chunks
+
+
+def wait_for_requests_in_engine(base_url: str, count: int, timeout: float = 60) -> None:
+    pattern = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", re.M)
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        if sum(float(v) for v in pattern.findall(text)) >= count:
+            return
+        assert time.monotonic() < deadline, f"fewer than {count} requests reached the engine"
+        time.sleep(0.05)
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
@@ -109,6 +121,9 @@ def test_sigterm_grace_period_bounds_the_wait(tmp_path):
         )
         waiter.start()
         assert first_chunk.wait(60)
+        # Both requests must be in the engine before the signal: a request that arrives
+        # once draining has begun gets the "not ready" 503 instead (a different case).
+        wait_for_requests_in_engine(base_url, 2)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
