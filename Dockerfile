@@ -25,7 +25,7 @@ WORKDIR /src
 RUN pip install --no-cache-dir "setuptools==${SETUPTOOLS_VERSION}" "wheel==${WHEEL_VERSION}"
 COPY pyproject.toml README.md ./
 COPY inference ./inference
-COPY kernels ./kernels
+COPY pagoda_kernels ./pagoda_kernels
 COPY operator ./operator
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 

@@ -46,7 +46,7 @@ run: venv
 		--max-model-len 4096 --enable-auto-tool-choice --tool-call-parser hermes
 
 test: venv tools
-	$(VENV)/bin/ruff check inference kernels operator tests e2e scripts benchmarks
+	$(VENV)/bin/ruff check inference pagoda_kernels operator tests e2e scripts benchmarks
 	$(PY) -m pytest -q tests
 
 images:
@@ -60,7 +60,7 @@ push: images
 	done
 
 lint: venv
-	$(VENV)/bin/ruff check inference kernels operator tests e2e scripts benchmarks
+	$(VENV)/bin/ruff check inference pagoda_kernels operator tests e2e scripts benchmarks
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache

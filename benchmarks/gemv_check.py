@@ -41,12 +41,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-import kernels  # noqa: E402
+import pagoda_kernels as kernels  # noqa: E402
 from benchmarks import gemv_fp8  # noqa: E402
 from benchmarks.cuda_timing import graph_us  # noqa: E402
-from kernels import _gemv_table  # noqa: E402
-from kernels._float64 import rel_err, silu_and_mul64  # noqa: E402
-from kernels._gemv_table import GemvConfig  # noqa: E402
+from pagoda_kernels import _gemv_table  # noqa: E402
+from pagoda_kernels._float64 import rel_err, silu_and_mul64  # noqa: E402
+from pagoda_kernels._gemv_table import GemvConfig  # noqa: E402
 
 DTYPE = torch.bfloat16
 TOLERANCE = 1e-2
@@ -141,7 +141,7 @@ def compile_key(m: int, n: int, k: int, bias: bool, config: GemvConfig, gated: b
 
 def _compile_worker(items: list[tuple]) -> int:
     """Run each (m, n, k, bias, config, gated) once so its kernel lands in the disk cache."""
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     done = 0
     for m, n, k, bias, config, gated in items:
@@ -234,7 +234,7 @@ def sweep_case(
     model: str, proj: str, n: int, k: int, bias: bool, m: int, sms: int,
     configs: list[GemvConfig] | None = None,
 ) -> None:  # fmt: skip
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     case = Case(n, k, m, bias)
     cublas = graph_us(case.calls(F.linear))
@@ -283,7 +283,7 @@ def sweep_case(
 
 def sweep_gated(model: str, n2: int, k: int, m: int, sms: int) -> None:
     """Fused gate_up + SiLU-and-mul vs gate_up (cuBLAS or best Triton) + silu_and_mul."""
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     case = Case(n2, k, m, False)
     truth = silu_and_mul64(case.truth())
@@ -369,7 +369,7 @@ def run_sweep(workers: int) -> None:
             case = Case(n, k, m, False, max_sets=2)
             cublas = graph_us(case.calls(F.linear), min_launches=8)
             config = _gemv_table.heuristic(m, n, k, sms)
-            from kernels._triton import linear as triton_linear
+            from pagoda_kernels._triton import linear as triton_linear
 
             us = graph_us(case.calls(lambda x, w, b, c=config: triton_linear.linear(x, w, b, c)),
                           min_launches=8)  # fmt: skip
@@ -393,7 +393,7 @@ def suggested_table(margin: float = 0.97) -> dict[str, list]:
 
 def run_confirm() -> None:
     """The shipped dispatch (``kernels.linear``) against F.linear, do_bench_cudagraph."""
-    from kernels.linear import choose_config, choose_gated_config
+    from pagoda_kernels.linear import choose_config, choose_gated_config
 
     for model, proj, n, k, bias in projection_cases(True):
         for m in MS_RUN:
@@ -474,7 +474,7 @@ def check_cases(sms: int) -> list[tuple[int, int, bool, int, GemvConfig]]:
 
 def check_graph_and_determinism(sms: int) -> None:
     """Dispatch and split-K under CUDA-graph capture with new inputs, and bitwise repeats."""
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     for n, k, bias, m, config in check_cases(sms):
         case = Case(n, k, m, bias, max_sets=1)

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import triton
 
-import kernels
+import pagoda_kernels as kernels
 from benchmarks.cuda_timing import graph_us
-from kernels import _gemv_table
-from kernels._float64 import fp8_linear64, rel_err
-from kernels._gemv_table import GemvConfig
+from pagoda_kernels import _gemv_table
+from pagoda_kernels._float64 import fp8_linear64, rel_err
+from pagoda_kernels._gemv_table import GemvConfig
 
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -120,7 +120,7 @@ def operands(m: int, n: int, k: int, bias: bool, seed: int = 0):
 def _compile_worker(items: list[tuple]) -> int:
     """Run each (m, n, k, bias, config) once so its kernels land in the disk cache (config
     None: ``kernels.linear`` in bf16 and ``kernels.fp8_linear``, as dispatched)."""
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     done = 0
     for m, n, k, bias, config in items:
@@ -196,7 +196,7 @@ time_us = graph_us  # the CPU test replaces the timer
 
 def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None):
     """cuBLASLt's FP8 GEMM with the one-launch activation quantization, + bias."""
-    from kernels.fp8_quant import quantize_per_token
+    from pagoda_kernels.fp8_quant import quantize_per_token
 
     x_q, x_scale = quantize_per_token(x)
     out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale, scale_b=s[None, :], out_dtype=DTYPE)
@@ -228,7 +228,7 @@ def _baseline(
 
 
 def sweep_case(model: str, proj: str, n: int, k: int, bias: bool, m: int, sms: int) -> None:
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     case = Case(n, k, m, bias)
     x, w, s, b = case.xs[0], case.weights[0], case.scales[0], case.biases[0]
@@ -285,7 +285,7 @@ def _us(value: float | None) -> str:
 def check_graph_and_determinism(sms: int) -> None:
     """Each kind with split-K under CUDA-graph capture (new inputs after capture) and
     bitwise repeats; the dispatch too."""
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     cases = [(3584, 18944, False, 1, GemvConfig("fma", 4, 512, 4)),
              (4608, 3584, True, 3, GemvConfig("fmaq", 2, 1024, 2)),
@@ -370,7 +370,7 @@ def print_summary() -> None:
         print(f"{model:<5} M={m}: {' / '.join(_us(v).strip() for v in sums)}")
         results.setdefault("layers", []).append({"model": model, "m": m, "bf16_us": sums[0],
                                                  "scaled_mm_us": sums[1], "best_us": sums[2]})  # fmt: skip
-    print("\nFP8_TABLE entries (kernels/_gemv_table.py):")
+    print("\nFP8_TABLE entries (pagoda_kernels/_gemv_table.py):")
     print(_gemv_table.table_source(_gemv_table.fp8_table_from_sweep(results)))
 
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.cuda_timing import graph_us
-from kernels._triton import int4_linear as k4
-from kernels.int4_linear import int4_linear_ref
+from pagoda_kernels._triton import int4_linear as k4
+from pagoda_kernels.int4_linear import int4_linear_ref
 
 SHAPES = {  # name: (N, K, bias)
     "1.5b.qkv": (2048, 1536, True), "1.5b.o": (1536, 1536, False),
@@ -75,7 +75,7 @@ def _gemm(x, q, s, z, bias, out):
 
 def _dequant_cublas(scratch):
     def run(x, q, s, z, bias, out):
-        from kernels.int4_linear import int4_linear
+        from pagoda_kernels.int4_linear import int4_linear
 
         int4_linear(x, q, s, z, GROUP, None, bias, out, scratch)
 

@@ -17,7 +17,7 @@ printed last; with ``OUT`` set, everything goes to ``$OUT/kernel_check.json``.
 and 16 over 8k and 32k contexts and prefill of 8k and 32k prompts, next to torch's flash
 SDPA, then their tiling variants (KV splits up to 256, query/key tiles, warps, stages).
 ``--compare-with FILE`` times the same default launches with another copy of
-``kernels/_triton/attention.py`` (a previous commit's) in the same call.
+``pagoda_kernels/_triton/attention.py`` (a previous commit's) in the same call.
 """
 
 import argparse
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels import (
+from pagoda_kernels import (
     fused_add_rms_norm,
     paged_attention,
     rms_norm,
@@ -43,9 +43,14 @@ from kernels import (
     silu_and_mul,
     write_kv_cache,
 )
-from kernels._float64 import attention64, rel_err, rms_norm64, rotary64, silu_and_mul64
-from kernels._triton import attention as triton_attention
-from kernels.kv_cache import FP8_KV_DTYPE, dequantize_kv_ref, quantize_kv_ref, write_kv_cache_ref
+from pagoda_kernels._float64 import attention64, rel_err, rms_norm64, rotary64, silu_and_mul64
+from pagoda_kernels._triton import attention as triton_attention
+from pagoda_kernels.kv_cache import (
+    FP8_KV_DTYPE,
+    dequantize_kv_ref,
+    quantize_kv_ref,
+    write_kv_cache_ref,
+)
 
 PEAK_GBPS = 4200.0
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}

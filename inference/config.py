@@ -360,7 +360,7 @@ class ResolvedEngineConfig(EngineConfig):
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV cache's: the model's dtype, or float8_e4m3fn (``kv_cache_dtype="fp8"``:
         half the bytes)."""
-        from kernels.kv_cache import FP8_KV_DTYPE
+        from pagoda_kernels.kv_cache import FP8_KV_DTYPE
 
         return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
 

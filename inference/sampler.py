@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-import kernels
+import pagoda_kernels as kernels
 from inference.sampling_params import SamplingParams
 from inference.spec_decode.rejection import accept_or_residual, flat_drafts
 

@@ -205,7 +205,7 @@ def fp8_kv_model(model, scales: dict[int, tuple[float, float]] | None = None):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kernels.kv_cache import dequantize_kv_ref, quantize_kv_ref
+    from pagoda_kernels.kv_cache import dequantize_kv_ref, quantize_kv_ref
 
     def through_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
         scale_tensor = torch.tensor([scale], device=x.device)

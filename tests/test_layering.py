@@ -3,7 +3,7 @@
 ``LAYERS`` is the stack, written down once, top first: a module may import its own layer
 and the layers below it, never one above. Every import counts, also one inside a function
 or under ``TYPE_CHECKING``: a lazy upward import is still an upward dependency. Every
-module under ``inference/`` and ``kernels/`` must be in a layer, so a new module is placed
+module under ``inference/`` and ``pagoda_kernels/`` must be in a layer, so a new module is placed
 on purpose. Nor may imports within ``inference/`` run in a circle, not even type-only
 ones inside one layer: a module that needs a name of the module importing it takes it as
 an argument instead. ``inference/bench/`` may import anything (it measures the whole stack), and
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("inference", "kernels")
+PACKAGES = ("inference", "pagoda_kernels")
 
 # An entry names a module or a package (then everything in it, unless a longer entry
 # names the module); "pkg.__init__" names a package's own __init__.py only.
@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # what a request asks and gets
     ("inference.sampling_params", "inference.outputs", "inference.lora.request"),
     ("inference.parallel_state",),  # process groups and collectives
-    ("kernels",),  # Triton kernels and their torch references
+    ("pagoda_kernels",),  # Triton kernels and their torch references
 )
 MAY_IMPORT_ANYTHING = ("inference.bench",)
 
@@ -95,7 +95,7 @@ def _layer(module: str) -> int | None:
 
 
 def _first_party_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import of ``inference`` or ``kernels`` in the file."""
+    """(line, module) of every import of ``inference`` or ``pagoda_kernels`` in the file."""
     module = _module_name(path)
     package = module.rsplit(".", 1)[0]
     found = []
@@ -224,7 +224,7 @@ def test_the_installed_package_never_imports_the_benchmarks():
         ("inference.models.llama", "inference.runner.model_runner", False),
         ("inference.runner.model_runner", "inference.executor.worker", False),
         ("inference.server.app", "inference.bench.common", False),
-        ("kernels.attention", "inference.config", False),
+        ("pagoda_kernels.attention", "inference.config", False),
         ("inference.config", "inference.models.config", True),
         ("inference.executor.multiproc", "inference.runner.step_inputs", True),
         ("inference.cli", "inference.bench.throughput", True),

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-import kernels
+import pagoda_kernels as kernels
 from inference.lora.peft import PeftAdapter, load_adapter
 from inference.lora.request import LoRARequest
 from inference.models.config import ModelConfig

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import kernels
+import pagoda_kernels as kernels
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.layers.rotary import build_cos_sin_cache
 from inference.models.config import ModelConfig

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import pagoda_kernels as kernels
 from inference.layers.attention_metadata import AttentionMetadata
 from inference.layers.embedding import vocab_parallel_embedding, vocab_parallel_logits
 from inference.layers.kv_cache import check_kv_scale, kv_scale_kind
@@ -43,7 +43,7 @@ from inference.parallel_state import (
     vocab_range,
 )
 from inference.quantization import INT4_METHODS, checkpoint_scheme, fp8, int4
-from kernels.linear import MAX_M as SKINNY_MAX_M
+from pagoda_kernels.linear import MAX_M as SKINNY_MAX_M
 
 # Decode-sized steps go through kernels.linear (a Triton skinny GEMM where it beats cuBLAS);
 # larger ones straight to cuBLAS, without the dispatch's per-call Python.

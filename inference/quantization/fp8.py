@@ -32,7 +32,7 @@ import torch
 
 from inference.layers.kv_cache import kv_scale_kind
 from inference.quantization import Fp8Checkpoint
-from kernels.fp8_linear import FP8_DTYPE, FP8_MAX
+from pagoda_kernels.fp8_linear import FP8_DTYPE, FP8_MAX
 
 # Tensor-name suffixes a quantized checkpoint stores beside a projection's ``weight``.
 _WEIGHT_SCALES = ("weight_scale_inv", "weight_scale")

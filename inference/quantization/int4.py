@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
+import pagoda_kernels as kernels
 from inference.quantization import awq, compressed_tensors, gptq
 from inference.quantization.int4_config import Int4Checkpoint, split_group_error
 from inference.quantization.int4_packing import pack_codes
@@ -81,7 +81,7 @@ class Int4Weights(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [N, K] weight held, in the checkpoint's column order (for checks)."""
-        from kernels.int4_linear import dequantize_int4
+        from pagoda_kernels.int4_linear import dequantize_int4
 
         weight = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size,
                                  self.g_idx, self.shape[1])  # fmt: skip
@@ -96,7 +96,7 @@ class Int4Weights(nn.Module):
         False where it cannot be (a row-parallel shard, groups not of ``group_size``)."""
         if self.g_idx is None or self.shape[1] != self.k_full:
             return False
-        from kernels.int4_linear import unpack_codes
+        from pagoda_kernels.int4_linear import unpack_codes
 
         k = self.shape[1]
         g_idx = self.g_idx.data.long()

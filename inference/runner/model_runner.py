@@ -44,7 +44,7 @@ from inference.sampler import (
 )
 from inference.sequence import Sequence
 from inference.spec_decode.rejection import verify_rows
-from kernels import warm_up_paged_attention
+from pagoda_kernels import warm_up_paged_attention
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from inference.runner.step_inputs import StepInputs
 from inference.sequence import Sequence
 from inference.spec_decode.config import SpeculativeConfig
 from inference.spec_decode.draft_model import chunk_step_inputs
-from kernels import warm_up_paged_attention
+from pagoda_kernels import warm_up_paged_attention
 
 logger = logging.getLogger(__name__)
 

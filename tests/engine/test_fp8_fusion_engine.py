@@ -15,7 +15,7 @@ import pytest
 from fp8_checkpoints import ENGINE
 from tiny_models import build_tiny_model
 
-import kernels
+import pagoda_kernels as kernels
 from inference import LLM, SamplingParams
 
 PROMPTS = [[(5 * i + 7 * j) % 250 + 3 for i in range(n)] for j, n in enumerate((12, 5, 20))]
@@ -76,8 +76,8 @@ def triton_with_fmaq_table(monkeypatch) -> None:
     """Triton kernels (TRITON_INTERPRET=1 is set for CPU runs); the tiny model's four
     projections at M <= 2 in the fmaq kind: qkv [128, 64], gate_up [256, 64], o and down
     [64, 128]."""
-    from kernels import _gemv_table
-    from kernels._gemv_table import GemvConfig
+    from pagoda_kernels import _gemv_table
+    from pagoda_kernels._gemv_table import GemvConfig
 
     monkeypatch.setenv("PAGODA_DISABLE_TRITON", "0")
     fmaq = [(2, GemvConfig("fmaq", 4, 32))]

@@ -25,7 +25,7 @@ class _Device:
 
 @pytest.mark.parametrize("sms", [4, 132])
 def test_tilings_cover_every_choice(monkeypatch, sms):
-    from kernels._triton import attention
+    from pagoda_kernels._triton import attention
 
     monkeypatch.setattr(attention, "num_sms", lambda device: device.sms)
     device = _Device(sms)
@@ -53,7 +53,7 @@ def test_tilings_cover_every_choice(monkeypatch, sms):
 def test_engine_warm_up_runs_the_real_kernel(tmp_path, monkeypatch, kv_cache_dtype):
     """The engine's warm-up launches every listed variant through the Triton kernel itself
     (its interpreter on CPU); an FP8 cache's variants with the model's query dtype."""
-    from kernels._triton import attention
+    from pagoda_kernels._triton import attention
 
     build_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), max_model_len=256, max_num_batched_tokens=4096,

@@ -17,7 +17,7 @@ import torch
 from tiny_models import build_tiny_model
 
 from inference import LLM, SamplingParams
-from kernels._float64 import fp8_linear64, rel_err
+from pagoda_kernels._float64 import fp8_linear64, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960),
 
 
 def fp8_operands(n: int, k: int, m: int, seed: int = 0):
-    from kernels.fp8_linear import FP8_DTYPE, FP8_MAX
+    from pagoda_kernels.fp8_linear import FP8_DTYPE, FP8_MAX
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     weight = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
@@ -45,7 +45,7 @@ def fp8_operands(n: int, k: int, m: int, seed: int = 0):
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_fp8_linear_matches_float64(n: int, k: int, m: int) -> None:
     """Triton (M <= 8) and cuBLASLt's scaled matmul (M > 8) against the scheme in float64."""
-    from kernels.fp8_linear import fp8_linear
+    from pagoda_kernels.fp8_linear import fp8_linear
 
     x, weight, scale, bias = fp8_operands(n, k, m, seed=m)
     out = fp8_linear(x, weight, scale, bias)
@@ -56,8 +56,8 @@ def test_fp8_linear_matches_float64(n: int, k: int, m: int) -> None:
 @pytest.mark.parametrize(("n", "k", "m"), [(4608, 3584, 1), (3584, 18944, 3), (1536, 1536, 8)])
 def test_fp8_gemv_kinds_match_float64(kind: str, n: int, k: int, m: int) -> None:
     """Every FP8 GEMV kind, compiled, with and without split-K, against float64."""
-    from kernels._gemv_table import GemvConfig
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._gemv_table import GemvConfig
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     x, weight, scale, bias = fp8_operands(n, k, m, seed=m)
     truth = fp8_linear64(x, weight, scale, bias)
@@ -72,7 +72,7 @@ def test_fp8_gemv_kinds_match_float64(kind: str, n: int, k: int, m: int) -> None
 
 
 def test_fp8_decode_replays_in_a_cuda_graph() -> None:
-    from kernels.fp8_linear import fp8_linear
+    from pagoda_kernels.fp8_linear import fp8_linear
 
     x, weight, scale, _ = fp8_operands(3584, 3584, 2)
     out = fp8_linear(x, weight, scale)  # compile outside the capture
@@ -91,8 +91,8 @@ def test_fp8_skinny_gemm_beats_bf16_at_batch_1(n: int, k: int) -> None:
     big 7B/1.5B projections, where bandwidth, not launch latency, sets the time)."""
     from triton.testing import do_bench_cudagraph
 
-    import kernels
-    from kernels.fp8_linear import fp8_linear
+    import pagoda_kernels as kernels
+    from pagoda_kernels.fp8_linear import fp8_linear
 
     x, weight, scale, _ = fp8_operands(n, k, 1)
     bf16_weight = (weight.float() * scale[:, None]).bfloat16()
@@ -135,8 +135,8 @@ def test_fused_fp8_producers_equal_quantizing_their_output(hidden, intermediate,
     exactly what ``quantize_per_token`` makes of the unfused op's output (same float32
     math, same rounding to bf16 first), the residual sum included; and they replay in a
     CUDA graph."""
-    import kernels
-    from kernels.fp8_quant import quantize_per_token
+    import pagoda_kernels as kernels
+    from pagoda_kernels.fp8_quant import quantize_per_token
 
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
@@ -168,7 +168,7 @@ def test_fp8_input_rule_on_the_h200_shapes() -> None:
     """Which projections take their input from a fused producer (bf16, the shipped table):
     not where the GEMV quantizes in its kernel (fma at batch 1 on most shapes), yes for
     the fmaq/dotq kinds and cuBLASLt (M > 8)."""
-    from kernels import wants_fp8_input
+    from pagoda_kernels import wants_fp8_input
 
     def weight(n: int, k: int) -> torch.Tensor:
         return torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -187,7 +187,7 @@ def test_fp8_engine_fused_equals_unfused(tiny, monkeypatch) -> None:
     """The bf16 FP8 engine with the fused producers (prefills: cuBLASLt's input from the
     norms and SiLU-and-mul) against the same engine with them off: the same greedy
     tokens (the fused ops write the same bytes)."""
-    import kernels
+    import pagoda_kernels as kernels
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (3, 17, 64, 90)]

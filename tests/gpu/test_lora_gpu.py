@@ -17,7 +17,7 @@ from inference import SamplingParams
 from inference.config import EngineConfig
 from inference.llm_engine import LLMEngine
 from inference.lora.request import LoRARequest
-from kernels import add_lora
+from pagoda_kernels import add_lora
 
 pytestmark = [
     pytest.mark.gpu,

@@ -159,7 +159,7 @@ def test_the_wheel_carries_every_package_the_entry_points_import() -> None:
         if (package / "__init__.py").is_file()
         and any(fnmatch.fnmatch(package.name, pattern) for pattern in find["include"])
     ]
-    assert {package.name for package in packages} >= {"inference", "kernels", "pagoda_operator"}
+    assert {package.name for package in packages} >= {"inference", "pagoda_kernels", "pagoda_operator"}
     for package in packages:
         source = package.relative_to(REPO_ROOT).as_posix()
         assert any(source == c or source.startswith(c + "/") for c in copied), source

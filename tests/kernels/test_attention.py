@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import paged_attention, paged_attention_ref
-from kernels._float64 import attention64, rel_err
+from pagoda_kernels import paged_attention, paged_attention_ref
+from pagoda_kernels._float64 import attention64, rel_err
 
 # Relative error bounds (norm-wise) against the float64 truth, per storage dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -37,7 +37,7 @@ def make_batch(
 
 
 def check(batch: dict[str, torch.Tensor], dtype: torch.dtype, **overrides: int) -> None:
-    from kernels._triton import attention as triton_attention
+    from pagoda_kernels._triton import attention as triton_attention
 
     scale = batch["q"].shape[-1] ** -0.5
     covered = int(batch["query_start_loc"][-1])
@@ -152,7 +152,7 @@ def test_mixed_graph_layout(num_segments: int) -> None:
     padded["block_tables"][len(query_lens) :] = 0  # stale but valid ids, as in a graph
     padded["q"][: real["q"].shape[0]] = real["q"]
     scale = 64**-0.5
-    from kernels._triton import attention as triton_attention
+    from pagoda_kernels._triton import attention as triton_attention
 
     out = triton_attention.paged_attention(
         **padded, scale=scale, max_query_len=19, num_segments=num_segments
@@ -167,7 +167,7 @@ def test_a_mixed_graphs_spare_rows_do_not_count_against_splitting(monkeypatch) -
     for 16 sequences, so a speculative verify step (one sequence, k + 1 tokens, a long
     context) replayed in that graph does not walk the whole context on one program per KV
     head. (Counting the spare rows gave one segment.)"""
-    from kernels._triton import attention as triton_attention
+    from pagoda_kernels._triton import attention as triton_attention
 
     monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
     device = torch.device("cuda")  # only its type is read, for the SM count above

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import _backend, rms_norm, rms_norm_ref
+from pagoda_kernels import _backend, rms_norm, rms_norm_ref
 
 
 def test_interpreter_selects_triton_for_cpu_tensors() -> None:
@@ -28,7 +28,7 @@ def test_attention_warm_up_is_nothing_where_the_reference_runs(
 ) -> None:
     """``kernels.warm_up_paged_attention``: the engine's way to compile the attention
     variants, which does nothing (and says so) where no Triton kernel would run."""
-    from kernels import warm_up_paged_attention
+    from pagoda_kernels import warm_up_paged_attention
 
     monkeypatch.setenv("PAGODA_DISABLE_TRITON", "1")
     cache = torch.zeros(4, 16, 2, 64)
@@ -44,8 +44,14 @@ def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """FP8: the Triton skinny GEMM up to MAX_M tokens (here: the interpreter), cuBLASLt's
     scaled matmul above it on CUDA with bf16 activations and 16-aligned N and K, the
     reference everywhere else."""
-    from kernels._triton import fp8_linear as triton_fp8
-    from kernels.fp8_linear import MAX_M, choose_config, fp8_linear, fp8_linear_ref, use_scaled_mm
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels.fp8_linear import (
+        MAX_M,
+        choose_config,
+        fp8_linear,
+        fp8_linear_ref,
+        use_scaled_mm,
+    )
 
     calls: list[int] = []
     original = triton_fp8.fp8_linear

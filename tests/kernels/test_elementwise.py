@@ -4,7 +4,7 @@ Triton kernels vs their references and float64 ground truth, on poisoned outputs
 import pytest
 import torch
 
-from kernels import (
+from pagoda_kernels import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,
@@ -18,7 +18,7 @@ from kernels import (
     write_kv_cache,
     write_kv_cache_ref,
 )
-from kernels._float64 import rel_err, rms_norm64, rotary64, silu_and_mul64
+from pagoda_kernels._float64 import rel_err, rms_norm64, rotary64, silu_and_mul64
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hopper_compile import run_compile_script
 
-import kernels
-from kernels import (
+import pagoda_kernels as kernels
+from pagoda_kernels import (
     Fp8Activations,
     fp8_linear,
     fp8_linear_ref,
@@ -31,9 +31,9 @@ from kernels import (
     silu_and_mul_fp8_ref,
     wants_fp8_input,
 )
-from kernels._float64 import fp8_linear64, rel_err, rms_norm64, silu_and_mul64
-from kernels._gemv_table import GemvConfig
-from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_per_token
+from pagoda_kernels._float64 import fp8_linear64, rel_err, rms_norm64, silu_and_mul64
+from pagoda_kernels._gemv_table import GemvConfig
+from pagoda_kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_per_token
 
 # silu's exp(-gate) overflows to inf for very negative gates (silu -> -0, as on the GPU).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -173,7 +173,7 @@ def prequantized(x: torch.Tensor) -> Fp8Activations:
 @pytest.fixture
 def separate_quantizations(monkeypatch) -> list[tuple[int, ...]]:
     """Shapes the FP8 GEMM quantized in a launch of its own (``quantize_per_token``)."""
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     calls: list[tuple[int, ...]] = []
     original = triton_fp8.quantize_per_token
@@ -192,7 +192,7 @@ def test_triton_kinds_take_prequantized_input(config, dtype, separate_quantizati
     """Every kind on Fp8Activations: no quantization launch, and the result of quantizing
     x itself (the ``q`` kinds: bit for bit; the in-kernel kinds run as their ``q`` twins,
     whose products and sums are the same)."""
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     x, weight, scale, bias = linear_inputs(3, 40, 70, dtype, seed=1)
     own = triton_fp8.fp8_linear(x, weight, scale, bias, config)
@@ -242,7 +242,7 @@ def test_prequantized_path_is_taken_exactly_when_predicted(monkeypatch,
     a launch of its own (here the ``q`` kinds of the table; cuBLASLt on the GPU), and then
     fp8_linear given the fused ops' output launches no quantization; where it says False
     (an in-kernel kind, the reference) x itself goes in and no fp8 copy is made."""
-    from kernels import _gemv_table
+    from pagoda_kernels import _gemv_table
 
     table = {(24, 48): [(1, GemvConfig("fma", 4, 16)), (2, GemvConfig("fmaq", 4, 16)),
                         (4, GemvConfig("dotq", 16, 16)), (8, GemvConfig("dot", 16, 16))]}  # fmt: skip
@@ -305,7 +305,7 @@ import triton.language as tl
 import triton.language.target_info as target_info
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels._triton import activation, rms_norm
+from pagoda_kernels._triton import activation, rms_norm
 
 PTXAS = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
 target = GPUTarget("cuda", 90, 32)

@@ -16,7 +16,7 @@ import torch
 from test_attention import TOLERANCE, make_batch
 from test_elementwise import cos_sin_cache, paged_slots, qkv_views
 
-from kernels import (
+from pagoda_kernels import (
     paged_attention,
     paged_attention_ref,
     rotary_embedding_with_kv_cache,
@@ -24,8 +24,8 @@ from kernels import (
     write_kv_cache,
     write_kv_cache_ref,
 )
-from kernels._float64 import attention64, rel_err
-from kernels.kv_cache import FP8_KV_DTYPE, FP8_KV_MAX, dequantize_kv_ref, quantize_kv_ref
+from pagoda_kernels._float64 import attention64, rel_err
+from pagoda_kernels.kv_cache import FP8_KV_DTYPE, FP8_KV_MAX, dequantize_kv_ref, quantize_kv_ref
 
 
 def scale(value: float) -> torch.Tensor:
@@ -114,7 +114,7 @@ def fp8_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, bloc
 
 
 def check_fp8(batch: dict, dtype: torch.dtype, **overrides) -> None:
-    from kernels._triton import attention as triton_attention
+    from pagoda_kernels._triton import attention as triton_attention
 
     head_scale = batch["q"].shape[-1] ** -0.5
     covered = int(batch["query_start_loc"][-1])
@@ -183,7 +183,7 @@ def test_fp8_attention_without_scales_reads_scale_one() -> None:
 
 
 def test_fp8_attention_warm_up_compiles_with_the_model_dtype() -> None:
-    from kernels._triton import attention as triton_attention
+    from pagoda_kernels._triton import attention as triton_attention
 
     k_cache = torch.zeros(2, 16, 2, 64, dtype=FP8_KV_DTYPE)
     v_cache = torch.zeros_like(k_cache)
@@ -203,7 +203,7 @@ def test_mismatched_cache_dtypes_are_refused() -> None:
 def test_dispatch_passes_the_scales_to_the_kernel_or_the_reference(monkeypatch) -> None:
     """Each public op hands k_scale/v_scale to the Triton module under the interpreter, and
     runs the reference (same result) with PAGODA_DISABLE_TRITON=1."""
-    from kernels import _backend
+    from pagoda_kernels import _backend
 
     torch.manual_seed(6)
     batch = fp8_batch([1, 3], [9, 3], 4, 2, 64, 16, torch.float32, 0.05, 0.02)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hopper_compile import run_compile_script
 
-from kernels import fp8_linear, fp8_linear_ref
-from kernels._float64 import fp8_linear64, rel_err
-from kernels._gemv_table import GemvConfig
-from kernels.fp8_linear import FP8_DTYPE, FP8_MAX, quantize_per_token_ref
+from pagoda_kernels import fp8_linear, fp8_linear_ref
+from pagoda_kernels._float64 import fp8_linear64, rel_err
+from pagoda_kernels._gemv_table import GemvConfig
+from pagoda_kernels.fp8_linear import FP8_DTYPE, FP8_MAX, quantize_per_token_ref
 
 # Against the scheme (x rounded to fp8 like the kernel): only float32 sums and, rarely, a
 # division that lands an element on the other side of an fp8 rounding boundary differ.
@@ -37,7 +37,7 @@ def unquantized(x, weight, scale, bias) -> torch.Tensor:
 
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[GemvConfig]:
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     calls: list[GemvConfig] = []
     original = triton_fp8.fp8_linear
@@ -112,7 +112,7 @@ CONFIGS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "config"), CONFIGS, ids=[f"{m}-{c.short()}" for m, c in CONFIGS])
 def test_kernel_configs(dtype, m, config) -> None:
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     x, weight, scale, b = inputs(m, 19, 70, dtype, bias=True, seed=3)
     out = torch.full((m, 19), float("nan"), dtype=dtype)
@@ -140,8 +140,8 @@ def test_dispatch_takes_the_fp8_table(monkeypatch, triton_calls) -> None:
     """A shape in ``_gemv_table.FP8_TABLE`` runs its measured config up to its M (None:
     cuBLASLt, which on CPU means the reference); past it, and for shapes not listed, the
     heuristic."""
-    from kernels import _gemv_table
-    from kernels._backend import num_sms
+    from pagoda_kernels import _gemv_table
+    from pagoda_kernels._backend import num_sms
 
     tuned = GemvConfig("dotq", 16, 32, split_k=2)
     monkeypatch.setattr(_gemv_table, "FP8_TABLE", {(24, 48): [(2, tuned), (4, None)]})
@@ -171,7 +171,7 @@ AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels._triton import fp8_linear as f
+from pagoda_kernels._triton import fp8_linear as f
 
 ARGS = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
         "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32"}

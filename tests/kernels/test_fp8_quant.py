@@ -5,7 +5,12 @@ very different sizes, an all-zero row and values past the fp8 range."""
 import pytest
 import torch
 
-from kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, quantize_per_token, quantize_per_token_ref
+from pagoda_kernels.fp8_quant import (
+    FP8_DTYPE,
+    MIN_SCALE,
+    quantize_per_token,
+    quantize_per_token_ref,
+)
 
 
 def rows(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -19,7 +24,7 @@ def rows(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [1, 96, 1000, 8192, 9000])
 def test_triton_matches_reference(dtype: torch.dtype, k: int, monkeypatch) -> None:
-    from kernels._triton import fp8_quant
+    from pagoda_kernels._triton import fp8_quant
 
     calls = []
     original = fp8_quant.quantize_per_token

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from kernels import _gemv_table
-from kernels._gemv_table import FMA_MAX_M, GemvConfig
+from pagoda_kernels import _gemv_table
+from pagoda_kernels._gemv_table import FMA_MAX_M, GemvConfig
 
 TINY = {"tiny": {"qkv": (40, 96, True)}}
 
@@ -45,7 +45,7 @@ def sweep(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(gemv_fp8, "time_us", fake_time_us)
     # Which kind a timed call runs: read from the config the sweep passes.
-    from kernels._triton import fp8_linear as triton_fp8
+    from pagoda_kernels._triton import fp8_linear as triton_fp8
 
     original = triton_fp8.fp8_linear
 

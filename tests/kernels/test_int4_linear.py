@@ -6,8 +6,8 @@ batches on both sides of the GEMV/GEMM switch."""
 import pytest
 import torch
 
-from kernels import int4_linear, int4_linear_ref
-from kernels.int4_linear import ACT_ORDER_GEMV_MAX_M, GEMV_MAX_M
+from pagoda_kernels import int4_linear, int4_linear_ref
+from pagoda_kernels.int4_linear import ACT_ORDER_GEMV_MAX_M, GEMV_MAX_M
 
 # float32 sums in another order than float64's; bf16: the output's (and, in the GEMM, the
 # dequantized weight tile's) rounding.
@@ -41,7 +41,7 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    from kernels._triton import int4_linear as triton_int4
+    from pagoda_kernels._triton import int4_linear as triton_int4
 
     calls: list[bool] = []
     original = triton_int4.int4_linear
@@ -90,7 +90,7 @@ def test_triton_matches_float64(n, k, group_size, m, act_order, triton_calls) ->
 def test_word_gemv_every_launch_shape(n, k, group_size, config) -> None:
     """The word GEMV at explicit launches: K split into slices (some empty past K), row
     blocks with rows past M, tiles past N, per-channel K not a multiple of 8, bias."""
-    from kernels._triton.int4_linear import WordsConfig, int4_gemv_words, words_eligible
+    from pagoda_kernels._triton.int4_linear import WordsConfig, int4_gemv_words, words_eligible
 
     size = k if group_size == -1 else group_size
     (qweight, scales, zeros, _), weight = layout(n, k, size, False, seed=n + k)
@@ -120,7 +120,7 @@ def test_dot_gemv_matches_float64(n, k, group_size, config) -> None:
     """int4_gemv_dot at explicit launches against the float64 weight: M = 1, 3, 4 (rows
     past M masked), float32 and bf16 (the two-codes-a-word bf16 unpacking), bias or
     none, split 1 or more (slices past K where the split does not divide it)."""
-    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot, words_eligible
+    from pagoda_kernels._triton.int4_linear import DotConfig, int4_gemv_dot, words_eligible
 
     size = k if group_size == -1 else group_size
     (qweight, scales, zeros, _), weight = layout(n, k, size, False, seed=n + k)
@@ -137,7 +137,7 @@ def test_dot_gemv_matches_float64(n, k, group_size, config) -> None:
 
 def test_dot_gemv_fp16_and_row_blocks() -> None:
     """fp16 x (1024 + code halves) and M past one 16-row block (a second program row)."""
-    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot
+    from pagoda_kernels._triton.int4_linear import DotConfig, int4_gemv_dot
 
     (qweight, scales, zeros, _), weight = layout(24, 256, 64, False, seed=3)
     for m, dtype in ((2, torch.float16), (17, torch.float32)):
@@ -150,7 +150,7 @@ def test_dot_gemv_fp16_and_row_blocks() -> None:
 
 
 def test_dot_gemv_refuses_what_it_cannot_run() -> None:
-    from kernels._triton.int4_linear import DotConfig, int4_gemv_dot
+    from pagoda_kernels._triton.int4_linear import DotConfig, int4_gemv_dot
 
     (qweight, scales, zeros, _), _ = layout(16, 64, 4, False, seed=2)
     x, out = torch.randn(1, 64), torch.empty(1, 16)
@@ -164,7 +164,7 @@ def test_dot_gemv_refuses_what_it_cannot_run() -> None:
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
 def test_dequantize_into_gives_the_weight(n, k, group_size, act_order) -> None:
-    from kernels._triton.int4_linear import dequantize_into
+    from pagoda_kernels._triton.int4_linear import dequantize_into
 
     if act_order and group_size == -1:
         pytest.skip("one group: nothing to order")
@@ -216,7 +216,7 @@ AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels._triton import int4_linear as k
+from pagoda_kernels._triton import int4_linear as k
 
 ARGS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8",
         "g_idx_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -261,7 +261,7 @@ def test_kernels_compile_for_hopper() -> None:
 def test_one_row_launches_follow_the_h200_sweep() -> None:
     """At one row the tensor-core GEMV takes the 7B's wide and square projections, the
     word GEMV long K and the 1.5B's (int4_check_dot_h200.json); every launch has a config."""
-    from kernels._triton.int4_linear import dot_config_for, dot_wins_at_one_row
+    from pagoda_kernels._triton.int4_linear import dot_config_for, dot_wins_at_one_row
 
     assert dot_wins_at_one_row(37888, 3584) and dot_wins_at_one_row(3584, 3584)
     assert dot_wins_at_one_row(4608, 3584)

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import _gemv_table, linear, linear_ref, linear_silu_and_mul
-from kernels._float64 import rel_err, silu_and_mul64
-from kernels._gemv_table import GemvConfig
-from kernels.linear import _eligible, choose_config, choose_gated_config
+from pagoda_kernels import _gemv_table, linear, linear_ref, linear_silu_and_mul
+from pagoda_kernels._float64 import rel_err, silu_and_mul64
+from pagoda_kernels._gemv_table import GemvConfig
+from pagoda_kernels.linear import _eligible, choose_config, choose_gated_config
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -30,7 +30,7 @@ def truth(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[GemvConfig]:
     """Configs the Triton path ran with (empty: the op fell back to F.linear)."""
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     calls: list[GemvConfig] = []
     original = triton_linear.linear
@@ -72,7 +72,7 @@ CONFIGS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "config"), CONFIGS, ids=[c.short() for _, c in CONFIGS])
 def test_kernel_configs(dtype: torch.dtype, m: int, config: GemvConfig) -> None:
-    from kernels._triton import linear as triton_linear
+    from pagoda_kernels._triton import linear as triton_linear
 
     x, weight, b = inputs(m, 19, 70, dtype, bias=True, seed=3)
     out = torch.full((m, 19), float("nan"), dtype=dtype)

@@ -1,4 +1,4 @@
-"""Batched LoRA shrink/expand (``kernels/lora.py``): the Triton kernels under the
+"""Batched LoRA shrink/expand (``pagoda_kernels/lora.py``): the Triton kernels under the
 interpreter and the reference against float64 ground truth, for steps that mix several
 adapters and base-model rows in prefill-like (contiguous) and decode-like (interleaved)
 layouts."""
@@ -6,7 +6,7 @@ layouts."""
 import pytest
 import torch
 
-from kernels import add_lora, add_lora_ref, lora_expand, lora_shrink
+from pagoda_kernels import add_lora, add_lora_ref, lora_expand, lora_shrink
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -76,7 +76,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton.language.target_info as target_info
-from kernels._triton import lora
+from pagoda_kernels._triton import lora
 
 target = GPUTarget("cuda", 90, 32)
 def current_target(target=target):

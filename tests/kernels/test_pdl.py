@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (``kernels/_triton/pdl.py``): a kernel launched with PDL
+"""Programmatic dependent launch (``pagoda_kernels/_triton/pdl.py``): a kernel launched with PDL
 may start while its predecessor still runs, so it is correct only if it waits before its
 first memory access. Checked from the source of every kernel module (each launched kernel
 starts with ``wait_for_inputs()``, each launch says ``launch_pdl=``), and compiled for an
@@ -55,7 +55,7 @@ def test_every_launched_kernel_waits_first_and_every_launch_says_pdl(path: Path)
 
 
 def test_cpu_tensors_never_launch_with_pdl() -> None:
-    from kernels._triton.pdl import launch_pdl
+    from pagoda_kernels._triton.pdl import launch_pdl
 
     assert launch_pdl(torch.zeros(1)) is False
 
@@ -65,7 +65,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton.language.target_info as target_info
-from kernels._triton import rms_norm as r
+from pagoda_kernels._triton import rms_norm as r
 
 for arch in (90, 80):
     target = GPUTarget("cuda", arch, 32)

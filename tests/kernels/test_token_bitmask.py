@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import apply_token_bitmask, apply_token_bitmask_ref
-from kernels._float64 import token_bitmask64
-from kernels.token_bitmask import unpack_allowed, unpack_bytes
+from pagoda_kernels import apply_token_bitmask, apply_token_bitmask_ref
+from pagoda_kernels._float64 import token_bitmask64
+from pagoda_kernels.token_bitmask import unpack_allowed, unpack_bytes
 
 
 def random_words(rows: int, words: int, seed: int) -> torch.Tensor:

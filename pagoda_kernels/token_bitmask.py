@@ -12,7 +12,7 @@ uint8 view elsewhere), never the [rows, words, 32] int32 expansion.
 import numpy as np
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 
 def unpack_bytes(bitmask: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ does), one launch on the GPU instead of two.
 import torch
 import torch.nn.functional as F
 
-from kernels._backend import kernel_for
-from kernels.fp8_quant import Fp8Activations, quantize_as_activations
+from pagoda_kernels._backend import kernel_for
+from pagoda_kernels.fp8_quant import Fp8Activations, quantize_as_activations
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.kv_cache import scale_args, store_kv
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._triton.kv_cache import scale_args, store_kv
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 ``silu_and_mul_fp8`` writes the result as ``kernels.fp8_linear``'s pre-quantized input
 (float8_e4m3fn values and a float32 scale a token) instead: a row's scale needs its amax,
-so a program owns a row (as ``kernels/_triton/fp8_quant.py``): held in registers up to
+so a program owns a row (as ``pagoda_kernels/_triton/fp8_quant.py``): held in registers up to
 ``ONE_PASS_MAX`` elements, else computed twice (amax, then quantize; the second read of
 gate and up mostly from L2). The values quantized are those ``silu_and_mul`` would store
 (rounded to x's dtype), so the result is what quantizing its output gives."""
@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.fp8_quant import fp8_scale, one_pass_block, to_fp8
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
-from kernels.fp8_quant import FP8_DTYPE, Fp8Activations
+from pagoda_kernels._triton.fp8_quant import fp8_scale, one_pass_block, to_fp8
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels.fp8_quant import FP8_DTYPE, Fp8Activations
 
 
 @triton.jit

@@ -14,8 +14,8 @@ into the output, which is the same math.
 
 import torch
 
-from kernels._backend import kernel_for
-from kernels.kv_cache import dequantize_kv_ref
+from pagoda_kernels._backend import kernel_for
+from pagoda_kernels.kv_cache import dequantize_kv_ref
 
 
 def paged_attention_ref(
@@ -82,7 +82,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatches to the Triton kernel (``kernels/_triton/attention.py``) or the reference.
+    """Dispatches to the Triton kernel (``pagoda_kernels/_triton/attention.py``) or the reference.
 
     The Triton path never syncs with the host, so it can be captured in a CUDA graph."""
     triton_ops = kernel_for("attention", q)

@@ -5,9 +5,9 @@ values quantized with ``k_scale`` / ``v_scale`` as ``write_kv_cache`` does."""
 
 import torch
 
-from kernels._backend import kernel_for
-from kernels.kv_cache import write_kv_cache_ref
-from kernels.rotary import rotary_embedding_ref
+from pagoda_kernels._backend import kernel_for
+from pagoda_kernels.kv_cache import write_kv_cache_ref
+from pagoda_kernels.rotary import rotary_embedding_ref
 
 
 def rotary_embedding_with_kv_cache_ref(

@@ -16,12 +16,12 @@ expand serve all of its parts.
 
 Rows with ``slots[t] < 0`` (the base model) are left alone; their shrink rows are
 undefined (the expand never reads them). The reference gathers the rows of each slot in
-use; the Triton kernels (``kernels/_triton/lora.py``) need no host-side grouping.
+use; the Triton kernels (``pagoda_kernels/_triton/lora.py``) need no host-side grouping.
 """
 
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._gemv_table import FMA_MAX_M, GemvConfig
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._gemv_table import FMA_MAX_M, GemvConfig
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 
 def rotary_embedding_ref(

@@ -1,5 +1,5 @@
 """Triton int4 linear: a dequantizing GEMV for decode-sized steps and a GEMM that
-dequantizes weight tiles into ``tl.dot``. Layout and numerics: ``kernels/int4_linear.py``.
+dequantizes weight tiles into ``tl.dot``. Layout and numerics: ``pagoda_kernels/int4_linear.py``.
 
 Both take only tensors and constexprs (the group size, whether a g_idx is given, the
 blocks), so a CUDA graph replays them as captured.
@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.linear import _store_row, reduce_splits
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._triton.linear import _store_row, reduce_splits
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 
 @triton.jit

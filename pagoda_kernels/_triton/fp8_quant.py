@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))

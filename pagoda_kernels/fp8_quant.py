@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -18,7 +18,7 @@ Implementations of the one signature, chosen by shape and device only (no host s
 a CUDA graph captures them as they are):
 
 - for decode-sized steps (M <= ``GEMV_MAX_M``) without act order, the Triton GEMVs
-  (``kernels/_triton/int4_linear.py``): the tensor-core GEMV (codes unpacked two a 32-bit
+  (``pagoda_kernels/_triton/int4_linear.py``): the tensor-core GEMV (codes unpacked two a 32-bit
   op into the dot's first operand, x the second, the group scale applied to the partial
   sum), or at one row for small and long-K projections the word GEMV (float32
   multiply-adds); with act order (a g_idx) up to ``ACT_ORDER_GEMV_MAX_M`` rows, the first
@@ -31,7 +31,7 @@ a CUDA graph captures them as they are):
 
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 # Largest token count the GEMVs take. The tensor-core GEMV (no act order) costs about the
 # same from 1 to 16 rows (on the H200 7B gate_up 50.6 us at 1 row, 50.9 at 4, 52.4 at 16;

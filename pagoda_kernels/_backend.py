@@ -47,7 +47,7 @@ def triton_module(name: str) -> ModuleType | None:
     """Import ``kernels._triton.<name>``; None (and one warning) if Triton fails to load,
     so the caller falls back to the reference instead of crashing the engine."""
     try:
-        return importlib.import_module(f"kernels._triton.{name}")
+        return importlib.import_module(f"pagoda_kernels._triton.{name}")
     except ImportError as error:  # a broken or partial Triton install
         warnings.warn(f"Triton kernels unavailable, using references: {error}", stacklevel=2)
         return None

@@ -7,12 +7,12 @@ ALU operations per weight element: the first version (x re-quantized on every
 kernel here keeps the per-weight-element work at a conversion and an FMA, or hands the
 weights to the tensor cores untouched. Four config kinds (``GemvConfig.kind``):
 
-- ``fma``: the bf16 fma GEMV's structure (``kernels/_triton/linear.py``): a program owns
+- ``fma``: the bf16 fma GEMV's structure (``pagoda_kernels/_triton/linear.py``): a program owns
   ``BLOCK_N`` weight rows x a K slice, 16-byte ``evict_first`` weight loads, one float32
   accumulator per token row, folded in-thread. The program computes its rows' activation
   scales first (a pass over x, from L2: no launch of its own), then quantizes each x K-tile
   once as a 1-D vector and broadcasts it over the tile's rows.
-- ``fmaq``: the same loop over x quantized beforehand (``kernels/_triton/fp8_quant.py``, one
+- ``fmaq``: the same loop over x quantized beforehand (``pagoda_kernels/_triton/fp8_quant.py``, one
   extra tiny launch; no amax pass per program), x loaded as fp8 in the weight tile's layout.
 - ``dot``: swap-AB tensor cores: ``out^T = W @ x^T`` with the fp8 weight tile
   ``[BLOCK_N >= 64, BLOCK_K]`` as the MMA's A operand and the fp8-quantized x^T
@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._gemv_table import FMA_MAX_M, GemvConfig
-from kernels._triton.fp8_quant import quantize_per_token
-from kernels._triton.linear import _fold, _rows, _rows_bucket, reduce_splits
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
-from kernels.fp8_quant import Fp8Activations
+from pagoda_kernels._gemv_table import FMA_MAX_M, GemvConfig
+from pagoda_kernels._triton.fp8_quant import quantize_per_token
+from pagoda_kernels._triton.linear import _fold, _rows, _rows_bucket, reduce_splits
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels.fp8_quant import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))

@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.fp8_quant import fp8_scale, to_fp8
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
-from kernels.fp8_quant import FP8_DTYPE, Fp8Activations
+from pagoda_kernels._triton.fp8_quant import fp8_scale, to_fp8
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels.fp8_quant import FP8_DTYPE, Fp8Activations
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
-from kernels.kv_cache import FP8_KV_DTYPE, FP8_KV_MAX
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels.kv_cache import FP8_KV_DTYPE, FP8_KV_MAX
 
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
 

@@ -1,4 +1,4 @@
-"""Triton LoRA shrink and expand (``kernels/lora.py``), segmented by slot without sorting.
+"""Triton LoRA shrink and expand (``pagoda_kernels/lora.py``), segmented by slot without sorting.
 
 The grid has one axis over the adapter slots: program (m, ..., s) takes the rows of its
 tile of ``BLOCK_M`` rows whose slot is ``s`` and masks the rest out; a program whose tile
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import num_sms
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._backend import num_sms
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 _BLOCK_M = 16
 _SPLIT_MIN_COLUMNS = 256  # a program of a split shrink walks at least this many columns

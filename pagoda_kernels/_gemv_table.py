@@ -137,7 +137,7 @@ def lookup_gated(m: int, n2: int, k: int) -> GemvConfig | None:
     return None
 
 
-# FP8 skinny GEMM (``kernels/_triton/fp8_linear.py``): (N, K) -> [(largest M, config or
+# FP8 skinny GEMM (``pagoda_kernels/_triton/fp8_linear.py``): (N, K) -> [(largest M, config or
 # None = cuBLASLt's ``_scaled_mm``)], M ascending, as TABLE; M past the last entry of a
 # listed shape, and shapes not listed, take ``fp8_heuristic``. Filled from an H200 sweep
 # (``gemv_check --fp8``): paste ``table_source(fp8_table_from_sweep(json))`` here.

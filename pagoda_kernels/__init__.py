@@ -6,25 +6,25 @@ device (or when ``TRITON_INTERPRET=1`` asks for the interpreter) and the referen
 otherwise. Tests compare every kernel against its reference.
 """
 
-from kernels.activation import (
+from pagoda_kernels.activation import (
     silu_and_mul,
     silu_and_mul_fp8,
     silu_and_mul_fp8_ref,
     silu_and_mul_ref,
 )
-from kernels.attention import paged_attention, paged_attention_ref, warm_up_paged_attention
-from kernels.fp8_linear import MAX_M as FP8_SKINNY_MAX_M
-from kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
-from kernels.fp8_quant import Fp8Activations
-from kernels.int4_linear import int4_linear, int4_linear_ref
-from kernels.kv_cache import write_kv_cache, write_kv_cache_ref
-from kernels.linear import (
+from pagoda_kernels.attention import paged_attention, paged_attention_ref, warm_up_paged_attention
+from pagoda_kernels.fp8_linear import MAX_M as FP8_SKINNY_MAX_M
+from pagoda_kernels.fp8_linear import fp8_linear, fp8_linear_ref, wants_fp8_input
+from pagoda_kernels.fp8_quant import Fp8Activations
+from pagoda_kernels.int4_linear import int4_linear, int4_linear_ref
+from pagoda_kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from pagoda_kernels.linear import (
     linear,
     linear_ref,
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
 )
-from kernels.lora import (
+from pagoda_kernels.lora import (
     add_lora,
     add_lora_ref,
     lora_expand,
@@ -32,7 +32,7 @@ from kernels.lora import (
     lora_shrink,
     lora_shrink_ref,
 )
-from kernels.rms_norm import (
+from pagoda_kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_fp8,
     fused_add_rms_norm_fp8_ref,
@@ -42,12 +42,12 @@ from kernels.rms_norm import (
     rms_norm_fp8_ref,
     rms_norm_ref,
 )
-from kernels.rotary import rotary_embedding, rotary_embedding_ref
-from kernels.rotary_kv_cache import (
+from pagoda_kernels.rotary import rotary_embedding, rotary_embedding_ref
+from pagoda_kernels.rotary_kv_cache import (
     rotary_embedding_with_kv_cache,
     rotary_embedding_with_kv_cache_ref,
 )
-from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
+from pagoda_kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 __all__ = [
     "FP8_SKINNY_MAX_M",

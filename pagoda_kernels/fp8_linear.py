@@ -10,7 +10,7 @@ dtype) is added and the result cast to x's dtype.
 Three implementations of that one signature, chosen by shapes, dtypes and device only (so a
 captured CUDA graph replays what was captured):
 
-- the Triton skinny GEMM (``kernels/_triton/fp8_linear.py``) for decode-sized steps
+- the Triton skinny GEMM (``pagoda_kernels/_triton/fp8_linear.py``) for decode-sized steps
   (M <= ``MAX_M``): a weight stream of half the bf16 bytes, fma or tensor-core kernels,
   the config from ``_gemv_table.lookup_fp8`` (H200-measured table, heuristic fallback);
 - ``torch._scaled_mm`` (cuBLASLt, FP8 tensor cores, row-wise scales) on CUDA for larger M
@@ -27,10 +27,10 @@ the model when that is the case.
 
 import torch
 
-from kernels import _gemv_table
-from kernels._backend import kernel_for, num_sms
-from kernels._gemv_table import FMA_MAX_M, GemvConfig
-from kernels.fp8_quant import (  # noqa: F401 (the scheme's constants, re-exported)
+from pagoda_kernels import _gemv_table
+from pagoda_kernels._backend import kernel_for, num_sms
+from pagoda_kernels._gemv_table import FMA_MAX_M, GemvConfig
+from pagoda_kernels.fp8_quant import (  # noqa: F401 (the scheme's constants, re-exported)
     FP8_DTYPE,
     FP8_MAX,
     MIN_SCALE,

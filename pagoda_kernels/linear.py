@@ -2,7 +2,7 @@
 
 ``linear(x, weight, bias)`` has ``torch.nn.functional.linear``'s semantics (x [..., K],
 weight [N, K] as stored in the model, optional bias [N], output in x's dtype, float32
-accumulation). On CUDA it runs the Triton GEMV (``kernels/_triton/linear.py``) when the
+accumulation). On CUDA it runs the Triton GEMV (``pagoda_kernels/_triton/linear.py``) when the
 token count M is small and the (N, K, M) case is one the kernel was measured to win on
 (``choose_config``); everything else, prefill included, goes to ``F.linear`` (cuBLAS).
 The choice depends only on shapes, dtypes and strides, so a captured CUDA graph replays
@@ -12,10 +12,10 @@ exactly what was captured.
 import torch
 import torch.nn.functional as F
 
-from kernels import _gemv_table
-from kernels._backend import kernel_for, num_sms
-from kernels._gemv_table import GemvConfig
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from pagoda_kernels import _gemv_table
+from pagoda_kernels._backend import kernel_for, num_sms
+from pagoda_kernels._gemv_table import GemvConfig
+from pagoda_kernels.activation import silu_and_mul, silu_and_mul_ref
 
 # Largest token count the Triton path ever takes (the dot kernel pads M to 16).
 MAX_M = 16
@@ -66,7 +66,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 def choose_config(
     m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 ) -> GemvConfig | None:
-    """The Triton config for this case, or None for cuBLAS (see ``kernels/_gemv_table.py``)."""
+    """The Triton config for this case, or None for cuBLAS (see ``pagoda_kernels/_gemv_table.py``)."""
     if device.type != "cuda":  # the interpreter: always the kernel (that is what it tests)
         return _gemv_table.heuristic(m, n, k, num_sms(device))
     if dtype not in _GPU_DTYPES:

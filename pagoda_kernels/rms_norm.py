@@ -9,8 +9,8 @@ launch of its own (``kernels.fp8_linear.wants_fp8_input``).
 
 import torch
 
-from kernels._backend import kernel_for
-from kernels.fp8_quant import Fp8Activations, quantize_as_activations
+from pagoda_kernels._backend import kernel_for
+from pagoda_kernels.fp8_quant import Fp8Activations, quantize_as_activations
 
 # Output dtypes the Triton FP8 variants round to (anything else takes the reference).
 _FP8_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -10,7 +10,7 @@ Scales only apply to FP8 caches: a cache in the model's dtype ignores them.
 
 import torch
 
-from kernels._backend import kernel_for
+from pagoda_kernels._backend import kernel_for
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max

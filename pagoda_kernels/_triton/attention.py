@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import num_sms
-from kernels._triton.kv_cache import scale_args
-from kernels._triton.pdl import launch_pdl, wait_for_inputs
+from pagoda_kernels._backend import num_sms
+from pagoda_kernels._triton.kv_cache import scale_args
+from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 
 # Partial results of the split path are float32 [T, Hq, segments, D]; past this size the
 # split costs more traffic than the occupancy it buys.
@@ -320,7 +320,7 @@ class Tiling:
 
 
 def _large_query_tiles(num_tokens: int, head_size: int) -> bool:
-    # Measured on H200 (kernel_check sweep, kernels/NOTES.md): 32-key tiles and 4 warps
+    # Measured on H200 (kernel_check sweep, pagoda_kernels/NOTES.md): 32-key tiles and 4 warps
     # win for prefill steps below ~4k tokens; from there 128-row query tiles of 64 keys, 8
     # warps and 2 stages (kernel_check --long: 8k prompts 9 %, 32k 1-3 % faster than 32
     # keys, 4 warps, 3 stages).
