@@ -110,7 +110,7 @@ def test_triton_kernels_against_transformers(models, monkeypatch, index, setting
 def test_harness_sees_a_wrong_kv_read(models, monkeypatch):
     """The suite must be able to fail: an engine that reads one position late in the KV
     cache for chunked prefills (a bug of the kind this suite exists for) is caught."""
-    import kernels.attention as attention
+    import pagoda_kernels.attention as attention
 
     real = attention.paged_attention_ref
 

@@ -210,7 +210,7 @@ def test_triton_kinds_take_prequantized_input(config, dtype, separate_quantizati
 def test_reference_and_scaled_mm_take_prequantized_input() -> None:
     """The reference (CPU) gives bit for bit what it gives on x; so does the cuBLASLt path
     (torch's ``_scaled_mm`` runs on CPU too), with ``out=`` and leading dims."""
-    fp8_module = importlib.import_module("kernels.fp8_linear")  # the module, not the op
+    fp8_module = importlib.import_module("pagoda_kernels.fp8_linear")  # the module, not the op
 
     x, weight, scale, bias = linear_inputs(6, 32, 64, torch.bfloat16, seed=2)
     x3 = x.view(2, 3, 64)

@@ -33,7 +33,7 @@ def sweep(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(gemv_fp8, "candidates", one_per_kind)
     # One "SM": the dispatched configs take few, wide row blocks (few interpreted programs).
-    for module in ("kernels.fp8_linear", "kernels.linear"):
+    for module in ("pagoda_kernels.fp8_linear", "pagoda_kernels.linear"):
         monkeypatch.setattr(importlib.import_module(module), "num_sms", lambda device: 1)
     timings = {"fma": 3.0, "fmaq": 2.0, "dot": 5.0, "dotq": 4.0}
 

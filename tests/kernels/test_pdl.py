@@ -15,7 +15,7 @@ import torch
 from hopper_compile import run_compile_script
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_MODULES = sorted((ROOT / "kernels" / "_triton").glob("*.py"))
+KERNEL_MODULES = sorted((ROOT / "pagoda_kernels" / "_triton").glob("*.py"))
 
 
 def _launched_kernels(tree: ast.Module) -> set[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-KERNEL_MODULES = sorted((Path(__file__).resolve().parents[2] / "kernels" / "_triton").glob("*.py"))
+KERNEL_MODULES = sorted((Path(__file__).resolve().parents[2] / "pagoda_kernels" / "_triton").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", KERNEL_MODULES, ids=lambda p: p.name)
