@@ -9,7 +9,10 @@ every stream, and each would wait on the other. This side keeps the server's vie
   the event loop);
 - a reader thread takes the engine's one message per step off the pipe (so the engine never
   waits on a busy event loop), unpickles it and hands it to the loop with one
-  ``call_soon_threadsafe``; the loop appends each request's delta to that request's queue;
+  ``call_soon_threadsafe``; the loop turns the step's token rows into each request's delta
+  (text, stop strings, decoded logprobs: ``TextOutputs``, ``inference/text_output.py``),
+  appends it to that request's queue, and tells the engine which completions a stop
+  string ended;
 - ``generate`` yields one output per engine step per request: deltas for the server's
   handlers (``delta=True``), or the cumulative view, assembled here, for everyone else;
 - health: the engine process must be alive and heard from (a step message, or an idle
@@ -49,7 +52,6 @@ from inference.engine_messages import (
     AddRejected,
     AddRequest,
     Command,
-    CompletionDelta,
     Dead,
     EngineInfo,
     EngineStats,
@@ -63,11 +65,13 @@ from inference.engine_messages import (
     Shutdown,
     StepOutputs,
     StepTimings,
+    StopSequences,
 )
 from inference.lora.request import LoRARequest
 from inference.model_files import load_tokenizer
-from inference.outputs import CompletionOutput, OutputAccumulator, RequestOutput
+from inference.outputs import OutputAccumulator, RequestOutput
 from inference.sampling_params import SamplingParams
+from inference.text_output import TextOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +111,8 @@ class _Stream:
     __slots__ = ("items", "waiter", "error", "aborted", "abort_sent", "abort_reason")
 
     def __init__(self) -> None:
-        # (finished, completion deltas, prompt logprobs) per step that produced something
-        self.items: deque[tuple[bool, list[CompletionDelta], list | None]] = deque()
+        # the request's delta output per step that produced something
+        self.items: deque[RequestOutput] = deque()
         self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
         self.aborted = False
@@ -119,25 +123,6 @@ class _Stream:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-
-def _delta_output(
-    request_id: str,
-    finished: bool,
-    completions: list[CompletionDelta],
-    prompt_logprobs: list | None,
-) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt=None,
-        prompt_token_ids=[],
-        outputs=[
-            CompletionOutput(index, text, token_ids, cumulative, logprobs, finish, stop)
-            for index, token_ids, text, logprobs, cumulative, finish, stop in completions
-        ],
-        finished=finished,
-        prompt_logprobs=prompt_logprobs,
-    )
 
 
 class AsyncLLMEngine:
@@ -176,6 +161,7 @@ class AsyncLLMEngine:
         self._dead: EngineDeadError | None = None
         self._last_message = time.monotonic()
         self._streams: dict[str, _Stream] = {}
+        self._text = TextOutputs()  # token rows -> text: detokenizers, stop strings
         # Adds submitted here vs. adds the engine process has taken, paired with the stats
         # taken after them: their difference is the queue the stats cannot see yet.
         self._num_submitted_adds = 0
@@ -409,6 +395,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_submitted_adds += 1
         arrival = arrival_time if arrival_time is not None else time.time()
+        self._text.add(request_id, params)
         self._submit(AddRequest(request_id, prompt, params, arrival, lora_request))
         accumulator = None
         if not delta:
@@ -433,8 +420,8 @@ class AsyncLLMEngine:
                         await stream.waiter
                     finally:
                         stream.waiter = None
-                finished, completions, prompt_logprobs = items.popleft()
-                output = _delta_output(request_id, finished, completions, prompt_logprobs)
+                output = items.popleft()
+                finished = output.finished
                 if accumulator is not None:
                     accumulator.add(output)
                     output = accumulator.output()
@@ -443,7 +430,9 @@ class AsyncLLMEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and stream.error is None and not stream.abort_sent:
+            gone = not finished and stream.error is None
+            self._text.remove(request_id, aborted=gone)
+            if gone and not stream.abort_sent:
                 stream.abort_sent = True
                 self._submit(AbortRequests([request_id]))
 
@@ -522,21 +511,30 @@ class AsyncLLMEngine:
 
     def _on_stats(self, stats: EngineStats, num_adds: int, timings: StepTimings | None) -> None:
         self._snapshot = (stats, num_adds)
+        finished = self._text.take_finished()
+        if finished:  # counted here, where the final finish reason is known
+            timings = timings or StepTimings()
+            for reason, count in finished.items():
+                timings.finished[reason] = timings.finished.get(reason, 0) + count
         if self.observer is not None:
             self.observer.on_stats(stats, timings)
 
     def _on_step(self, message: StepOutputs) -> None:
+        outputs, stops = self._text.process(message.rows)
+        if stops:
+            self._submit(StopSequences(stops))
         self._on_stats(message.stats, message.num_adds, message.timings)
         streams = self._streams
-        for request_id, finished, completions, prompt_logprobs in message.outputs:
+        for request_id, output in outputs.items():
             stream = streams.get(request_id)
             if stream is not None and not stream.aborted:
-                stream.items.append((finished, completions, prompt_logprobs))
+                stream.items.append(output)
                 stream.wake()
 
     def _on_ready(self, message: Ready) -> None:
         info = message.info
         info.tokenizer = self._tokenizer
+        self._text.set_tokenizer(self._tokenizer, info.eos_token_ids)
         self._info = info
         self._snapshot = (message.stats, message.num_adds)
         if self.observer is not None:

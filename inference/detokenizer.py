@@ -17,7 +17,7 @@ from typing import Any
 
 # Tokens of prompt context decoded along with the first outputs, so tokenizers that mark
 # word starts (sentencepiece's "▁") render the first output's leading space correctly.
-_CONTEXT_TOKENS = 6
+CONTEXT_TOKENS = 6
 _REPLACEMENT = "\ufffd"
 
 try:
@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""

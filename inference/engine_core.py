@@ -10,11 +10,12 @@ a step is stuck.
 
 The loop: take every pending command without blocking while there is work (block, with a
 heartbeat timeout, when idle), ``step()``, and send ONE message per step carrying every
-request's *new* output (token ids, text, logprobs, finish reason: deltas, so pickling stays
-proportional to what changed), the engine stats and the per-request timings the metrics
-need. The engine shapes those deltas itself: every request is added with
-``RequestOutputKind.DELTA`` (``inference/output_processor.py``, which also holds back text
-a stop string could still claim).
+request's *new* output (token ids, logprobs, finish reason: deltas, so pickling stays
+proportional to what changed) as ``OutputRows``, the engine stats and the per-request
+timings the metrics need. Every request is added with ``RequestOutputKind.DELTA``; the
+engine makes no text here (``leave_text_to_server``): the server detokenizes, finds stop
+strings and tells the engine which completions they ended (``StopSequences``), as vLLM
+V1's API process does (``inference/text_output.py``).
 
 The messages both ways are the dataclasses of ``inference/engine_messages.py``; what the
 loop needs of the engine is ``CoreEngine`` (``LLMEngine`` is the one in production).
@@ -36,26 +37,27 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from inference.config import EngineConfig, ResolvedEngineConfig
+from inference.detokenizer import CONTEXT_TOKENS
 from inference.engine_messages import (
     AbortRequests,
     AddRejected,
     AddRequest,
     Command,
-    CompletionDelta,
     Dead,
     EngineInfo,
     EngineStats,
     Heartbeat,
     Message,
+    OutputRows,
     Ready,
     Reconfigure,
     Reconfigured,
     RemoveLoRA,
-    RequestDelta,
     Resolved,
     Shutdown,
     StepOutputs,
     StepTimings,
+    StopSequences,
 )
 from inference.lora.request import LoRARequest
 from inference.sampling_params import RequestOutputKind, SamplingParams
@@ -93,6 +95,7 @@ class CoreEngine(Protocol):
     startup_phases: dict[str, float]
     grammars: GrammarCompiler
     computed_tokens_total: int  # tokens run through the model so far
+    eos_token_ids: set[int]
 
     def add_request(
         self,
@@ -103,6 +106,8 @@ class CoreEngine(Protocol):
         lora_request: LoRARequest | None = None,
     ) -> None: ...
     def abort_request(self, request_id: str | list[str]) -> None: ...
+    def stop_sequences(self, stops: list[tuple[str, int, str]]) -> None: ...
+    def leave_text_to_server(self) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def stats(self) -> EngineStats: ...
@@ -126,13 +131,15 @@ def _engine_info(engine: CoreEngine, tokenizer_path: str | None) -> EngineInfo:
         startup_phases=dict(engine.startup_phases),
         pid=os.getpid(),
         generation_defaults=dict(getattr(engine, "generation_defaults", {})),
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
     )
 
 
 def _add_finished(
     timings: StepTimings, request: _CoreRequest, output: RequestOutput, now: float
 ) -> None:
-    """A finished request's latencies and sizes, into ``timings``."""
+    """A finished request's latencies and sizes, into ``timings`` (its finish reason is
+    counted by the server, which knows the final one)."""
     metrics = output.metrics
     scheduled = metrics.first_scheduled_time if metrics is not None else None
     first_token = metrics.first_token_time if metrics is not None else None
@@ -147,7 +154,6 @@ def _add_finished(
         timings.inference.append(max(0.0, (last_token or now) - scheduled))
     timings.prompt_tokens.append(len(output.prompt_token_ids))
     timings.generation_tokens.append(request.num_generated)
-    _count(timings.finished, request.finish_reason or "abort")
 
 
 def default_engine_factory(config: EngineConfig) -> CoreEngine:
@@ -168,14 +174,13 @@ class _StartError(Exception):
 class _CoreRequest:
     """One request's latency bookkeeping."""
 
-    __slots__ = ("arrival", "last_token_time", "num_generated", "finish_reason")
+    __slots__ = ("arrival", "last_token_time", "num_generated", "tail_sent")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival
         self.last_token_time: float | None = None
-        # The request's finish reason for the metrics: its first completion's.
-        self.finish_reason: str | None = None
         self.num_generated = 0  # tokens of all n completions
+        self.tail_sent = False  # the prompt's last tokens went out with its first row
 
 
 class EngineCore:
@@ -248,6 +253,7 @@ class EngineCore:
         try:
             engine = self.engine = self.engine_factory(self.config)
             _warm_up(engine)
+            engine.leave_text_to_server()
             engine.grammars.prepare()  # structured outputs' tokenizer view, in the background
             # What exists now (model, tokenizer, caches) lives for the whole process: keep it
             # out of the cyclic collector, whose full passes would otherwise stall steps.
@@ -287,10 +293,10 @@ class EngineCore:
             outputs = engine.step()
             now = time.time()
             self._count_iteration_tokens(engine)
-            items = self._deltas(outputs, now)
+            rows = self._rows(outputs, now)
             timings, self.timings = self.timings, StepTimings()
             stats = engine.stats()
-            self._send([StepOutputs(stats, self.num_adds, items, timings or None)])
+            self._send([StepOutputs(stats, self.num_adds, rows, timings or None)])
             if self.trace_path is not None:
                 self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
@@ -371,6 +377,8 @@ class EngineCore:
                 self._send([AddRejected(request_id, type(exc).__name__, str(exc))])
                 return
             self.requests[request_id] = _CoreRequest(command.arrival_time)
+        elif isinstance(command, StopSequences):
+            engine.stop_sequences(command.stops)
         elif isinstance(command, AbortRequests):
             # The engine hands each aborted request back as finished ("abort") with the
             # next step: its latencies are counted then, like every other request's.
@@ -392,27 +400,36 @@ class EngineCore:
 
     # ----- outputs -----------------------------------------------------------------------
 
-    def _deltas(self, outputs: list[RequestOutput], now: float) -> list[RequestDelta]:
+    def _rows(self, outputs: list[RequestOutput], now: float) -> OutputRows:
         """Each request's new output since the last step, and its latencies."""
-        items: list[RequestDelta] = []
+        rows = OutputRows()
+        request_ids, indexes, token_ids = rows.request_ids, rows.indexes, rows.token_ids
+        logprobs, cumulative, finish_reasons = (
+            rows.logprobs, rows.cumulative_logprobs, rows.finish_reasons
+        )
+        stop_reasons = rows.stop_reasons
         requests = self.requests
         timings = self.timings
         for output in outputs:
-            request = requests.get(output.request_id)
+            request_id = output.request_id
+            request = requests.get(request_id)
             if request is None:
                 continue  # aborted, or the warm-up request
-            completions: list[CompletionDelta] = [
-                (
-                    c.index, c.token_ids, c.text, c.logprobs, c.cumulative_logprob,
-                    c.finish_reason, c.stop_reason,
-                )  # fmt: skip
-                for c in output.outputs
-            ]
             num_new = 0
-            for completion in output.outputs:
-                num_new += len(completion.token_ids)
-                if completion.index == 0 and completion.finish_reason is not None:
-                    request.finish_reason = completion.finish_reason
+            for c in output.outputs:
+                request_ids.append(request_id)
+                indexes.append(c.index)
+                token_ids.append(c.token_ids)
+                logprobs.append(c.logprobs)
+                cumulative.append(c.cumulative_logprob)
+                finish_reasons.append(c.finish_reason)
+                stop_reasons.append(c.stop_reason)
+                num_new += len(c.token_ids)
+            if output.outputs and not request.tail_sent:
+                request.tail_sent = True
+                rows.prompt_tails[request_id] = output.prompt_token_ids[-CONTEXT_TOKENS:]
+            if output.prompt_logprobs is not None:
+                rows.prompt_logprobs[request_id] = output.prompt_logprobs
             if num_new:
                 request.num_generated += num_new
                 if request.last_token_time is None:
@@ -420,13 +437,10 @@ class EngineCore:
                 else:
                     timings.itl.append(now - request.last_token_time)
                 request.last_token_time = now
-            finished = output.finished
-            if finished:
-                del requests[output.request_id]
+            if output.finished:
+                del requests[request_id]
                 _add_finished(timings, request, output, now)
-            if completions or finished:
-                items.append((output.request_id, finished, completions, output.prompt_logprobs))
-        return items
+        return rows
 
     # ----- sending -----------------------------------------------------------------------
 
@@ -446,10 +460,6 @@ class EngineCore:
             self.outputs.send([Dead(reason)])
         except (OSError, EOFError):
             pass
-
-
-def _count(counts: dict[str, int], key: str) -> None:
-    counts[key] = counts.get(key, 0) + 1
 
 
 def _reconfigure(engine: CoreEngine, command: Reconfigure) -> Reconfigured | LiveChange:

@@ -6,14 +6,13 @@ of the messages below. Every message is a small frozen dataclass, so both sides 
 same fields and a type checker sees a misspelt one. This module imports neither the engine
 nor torch: the server unpickles these without loading either.
 
-One exception, on purpose: the per-request rows inside a step (``RequestDelta`` and its
-``CompletionDelta`` entries) stay plain tuples, typed by the aliases here. A step carries
-one row per running request (up to ``max_num_seqs``, 1024 on a GPU), and pickling a
-dataclass or a NamedTuple per row costs several times a tuple's on both sides of the pipe
-(measured: about 1 ms more per step of 512 rows, against 0.2 ms for tuples). They are built
-in one place (``engine_core._deltas``) and read in one place (``async_engine``).
+A step's per-request output is one ``OutputRows``: a column per field, one entry per
+completion with something new (up to ``max_num_seqs`` rows, 1024 on a GPU). Columns of
+builtins pickle at a tuple's cost; a dataclass per row would cost several times that on
+both sides of the pipe. Token ids only: the server makes the text (``inference/text_output.py``).
 
-server -> engine: ``AddRequest``, ``AbortRequests``, ``Reconfigure``, ``Shutdown``.
+server -> engine: ``AddRequest``, ``AbortRequests``, ``StopSequences``, ``RemoveLoRA``,
+``Reconfigure``, ``Shutdown``.
 engine -> server: ``Resolved`` (model folder found), ``Ready`` (loaded and warmed up),
 ``StepOutputs`` (one per step), ``Heartbeat`` (after idle commands, and every second when
 idle), ``AddRejected`` (a bad prompt), ``Reconfigured`` (a live change made or refused),
@@ -31,17 +30,6 @@ from inference.config import ResolvedEngineConfig
 from inference.lora.request import LoRARequest
 from inference.outputs import Logprob, SampleLogprobs
 from inference.sampling_params import SamplingParams
-
-# (index, new_token_ids, new_text, new_logprobs, cumulative_logprob, finish_reason,
-#  stop_reason): what is new in one of a request's ``n`` completions.
-CompletionDelta: TypeAlias = tuple[
-    int, list[int], str, SampleLogprobs | None, float | None, str | None, int | str | None
-]
-# (request_id, finished, completion deltas, prompt_logprobs): prompt_logprobs is None but
-# once, with the first token, for requests that asked for them.
-RequestDelta: TypeAlias = tuple[
-    str, bool, list[CompletionDelta], list[dict[int, Logprob] | None] | None
-]
 
 
 @dataclass
@@ -87,6 +75,7 @@ class EngineInfo:
     pid: int = 0
     # SamplingParams defaults from --generation-config (max_tokens for max_new_tokens)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()  # end a completion unless ignore_eos
     tokenizer: Any = field(default=None, repr=False)  # set in the server process
 
     def __getstate__(self) -> dict[str, Any]:
@@ -137,6 +126,14 @@ class AbortRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class StopSequences:
+    """Completions a stop string ended (the server found it in their text): (request id,
+    completion index, stop string). The engine finishes them as if it had found it."""
+
+    stops: list[tuple[str, int, str]]
+
+
+@dataclass(frozen=True, slots=True)
 class RemoveLoRA:
     """An adapter was unloaded (``/v1/unload_lora_adapter``): it leaves its device slot."""
 
@@ -159,7 +156,9 @@ class Reconfigure:
     dry_run: bool = False
 
 
-Command: TypeAlias = AddRequest | AbortRequests | RemoveLoRA | Reconfigure | Shutdown
+Command: TypeAlias = (
+    AddRequest | AbortRequests | StopSequences | RemoveLoRA | Reconfigure | Shutdown
+)
 
 
 # ----- engine -> server ------------------------------------------------------------------
@@ -179,13 +178,35 @@ class Ready:
     num_adds: int
 
 
+@dataclass(slots=True)
+class OutputRows:
+    """A step's new output, one row per completion that has any: the i-th entry of every
+    column belongs to row i. ``logprobs`` entries carry no decoded text (the server fills
+    it in); ``cumulative_logprobs`` is the completion's total through the row's last token
+    (None unless asked for). Per request, once: ``prompt_tails``, the prompt's last tokens
+    (the detokenizer's context), with its first row; ``prompt_logprobs`` once complete."""
+
+    request_ids: list[str] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    cumulative_logprobs: list[float | None] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+    prompt_tails: dict[str, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
 @dataclass(frozen=True, slots=True)
 class StepOutputs:
     """One engine step: every request's new output, and the stats taken after it."""
 
     stats: EngineStats
     num_adds: int
-    outputs: list[RequestDelta]
+    rows: OutputRows
     timings: StepTimings | None
 
 

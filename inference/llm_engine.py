@@ -299,6 +299,31 @@ class LLMEngine:
                     seq.finish_reason = "abort"
             self._emit(request, self._pending_outputs)
 
+    def leave_text_to_server(self) -> None:
+        """From now on requests get token ids and logprobs only: the server makes their text
+        and finds their stop strings (``inference/text_output.py``), and says which
+        completions a stop string ended (``stop_sequences``)."""
+        self.output_processor.text = False
+
+    def stop_sequences(self, stops: list[tuple[str, int, str]]) -> None:
+        """Finish the (request id, completion index) completions with ``finish_reason``
+        "stop" and the stop string found in their text; unknown or finished ones are
+        skipped (the request may have finished meanwhile)."""
+        touched: dict[str, RequestState] = {}
+        for request_id, index, stop in stops:
+            request = self.requests.get(request_id)
+            if request is None or not 0 <= index < len(request.seqs):
+                continue
+            seq = request.seqs[index]
+            if seq.is_finished:
+                continue
+            self._unscored.discard(seq)
+            self.scheduler.finish(seq)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            touched[request_id] = request
+        for request in touched.values():
+            self._emit(request, self._pending_outputs)
+
     # -- the loop ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None

@@ -17,6 +17,12 @@ request is made rather than by flags on the engine:
               finishes, so text a client was sent is never cut back by a stop string found
               later. The engine process streams these to the server;
   FINAL_ONLY  one output, when the request finishes (``LLM.generate``).
+
+The text itself (detokenization, stop strings, hold-back) is ``CompletionText``'s
+(``inference/text_output.py``), shared with the server. Behind the server the engine makes
+no text at all (``text=False``): token ids and logprobs only, the server's ``TextOutputs``
+does the rest and tells the engine which completions a stop string ended
+(``stop_sequences``).
 """
 
 from __future__ import annotations
@@ -24,44 +30,35 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from inference.detokenizer import IncrementalDetokenizer
 from inference.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from inference.sampler import PromptLogprobs, RowLogprobs
 from inference.sampling_params import RequestOutputKind, SamplingParams
 from inference.sequence import Sequence, SequenceStatus
+from inference.text_output import CompletionText
 
 
 @dataclass(eq=False)
 class RequestState:
-    """One request: its sequences (``n``), their detokenizers, and what its outputs have
-    carried so far."""
+    """One request: its sequences (``n``), their text (None: no text is made), and what its
+    outputs have carried so far."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
+    texts: list[CompletionText | None]
     arrival_time: float
-    # DELTA outputs: per completion, the output tokens and text characters sent so far and
-    # whether its finish was; the prompt logprobs go out once.
+    # DELTA outputs: per completion, the output tokens sent so far and whether its finish
+    # was; the prompt logprobs go out once.
     num_sent_tokens: list[int] = field(init=False)
-    num_sent_chars: list[int] = field(init=False)
     sent_finish: list[bool] = field(init=False)
     prompt_logprobs_sent: bool = field(init=False, default=False)
-    holdback: int = field(init=False)  # characters of text a stop string could still claim
 
     def __post_init__(self) -> None:
         n = len(self.seqs)
         self.num_sent_tokens = [0] * n
-        self.num_sent_chars = [0] * n
         self.sent_finish = [False] * n
-        p = self.params
-        self.holdback = (
-            max(len(s) for s in p.stop) - 1
-            if p.stop and not p.include_stop_str_in_output
-            else 0
-        )
 
     @property
     def finished(self) -> bool:
@@ -77,6 +74,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.text = True  # False: token ids and logprobs only (the server makes the text)
         self.prompt_tokens_total = 0  # of requests whose first token is out
         self.generation_tokens_total = 0
 
@@ -89,16 +87,15 @@ class OutputProcessor:
         seqs: list[Sequence],
         arrival_time: float,
     ) -> RequestState:
-        detokenize = params.detokenize and self.tokenizer is not None
-        detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        detokenize = self.text and params.detokenize and self.tokenizer is not None
+        texts = [
+            CompletionText(self.tokenizer, prompt_token_ids, params,
+                           frozenset(params.all_stop_token_ids))
             if detokenize
             else None
             for _ in seqs
-        ]
-        return RequestState(
-            request_id, prompt, prompt_token_ids, params, seqs, detokenizers, arrival_time
-        )
+        ]  # fmt: skip
+        return RequestState(request_id, prompt, prompt_token_ids, params, seqs, texts, arrival_time)
 
     # -- tokens --------------------------------------------------------------------------
     def process_token(
@@ -123,16 +120,15 @@ class OutputProcessor:
         if row_logprobs is not None:
             seq.logprobs.append(self._logprob_dict(token_id, row_logprobs))
             seq.cumulative_logprob += row_logprobs.sampled_logprob
-        detok = request.detokenizers[seq.index]
+        text = request.texts[seq.index]
         p = seq.params
         # EOS (unless ignored) and stop_token_ids end the request once min_tokens are out
         # (the sampler forbids them before); as in vLLM, the token stays in token_ids but
         # its text joins the output only with include_stop_str_in_output.
-        stop_token = token_id in p.all_stop_token_ids and seq.num_output_tokens >= p.min_tokens
-        num_new_chars = 0
-        if detok is not None and (not stop_token or p.include_stop_str_in_output):
-            num_new_chars = len(detok.add(token_id))
-        finish, reason = self._check_stop(seq, token_id, stop_token, detok, num_new_chars)
+        num_out = seq.num_output_tokens
+        stop_token = token_id in p.all_stop_token_ids and num_out >= p.min_tokens
+        stop_str = text.add(token_id, num_out) if text is not None else None
+        finish, reason = self._check_stop(seq, token_id, stop_token, stop_str)
         if grammar_ended and finish is None:
             finish, reason = "stop", None
         if finish is None:
@@ -140,22 +136,14 @@ class OutputProcessor:
         seq.finish_reason, seq.stop_reason = finish, reason
         return True
 
-    def _check_stop(
-        self, seq: Sequence, token_id: int, stop_token: bool, detok, num_new_chars: int
-    ):
+    def _check_stop(self, seq: Sequence, token_id: int, stop_token: bool, stop_str: str | None):
         p = seq.params
-        num_out = seq.num_output_tokens
         if stop_token:
             is_eos = token_id in self.eos_token_ids and not p.ignore_eos
             return "stop", None if is_eos else token_id
-        # vLLM ignores stop strings completed by the first min_tokens tokens.
-        if p.stop and detok is not None and num_new_chars and num_out > p.min_tokens:
-            stop_str = _truncate_at_stop(
-                detok, p.stop, p.include_stop_str_in_output, num_new_chars
-            )
-            if stop_str is not None:
-                return "stop", stop_str
-        if num_out >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
+        if stop_str is not None:
+            return "stop", stop_str
+        if seq.num_output_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return "length", None
         return None, None
 
@@ -191,7 +179,9 @@ class OutputProcessor:
         return entry
 
     def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        if self.tokenizer is None or not self.text:
+            return None
+        return self.tokenizer.decode([token_id])
 
     # -- outputs -------------------------------------------------------------------------
     def make_output(self, request: RequestState) -> RequestOutput | None:
@@ -204,16 +194,19 @@ class OutputProcessor:
         delta = kind is RequestOutputKind.DELTA
         wants_logprobs = request.params.logprobs is not None
         completions = []
-        for i, (seq, detok) in enumerate(zip(request.seqs, request.detokenizers)):
+        for i, (seq, completion_text) in enumerate(zip(request.seqs, request.texts)):
             known = seq.num_output_tokens
-            text = detok.text if detok is not None else ""
+            text = completion_text.text if completion_text is not None else ""
             start = 0
             if delta:
                 if request.sent_finish[i]:
                     continue
                 start = request.num_sent_tokens[i]
                 request.num_sent_tokens[i] = known
-                text = _new_text(request, i, text, seq.finish_reason is not None)
+                text = (
+                    completion_text.take_new(seq.finish_reason is not None)
+                    if completion_text is not None else ""
+                )  # fmt: skip
                 if start == known and not text and seq.finish_reason is None:
                     continue
                 request.sent_finish[i] = seq.finish_reason is not None
@@ -255,18 +248,6 @@ class OutputProcessor:
         )
 
 
-def _new_text(request: RequestState, index: int, text: str, finished: bool) -> str:
-    """The text of completion ``index`` not sent yet, less the hold-back while it runs."""
-    sent = request.num_sent_chars[index]
-    end = len(text)
-    if not finished:
-        end -= request.holdback
-    if end <= sent:
-        return ""
-    request.num_sent_chars[index] = end
-    return text[sent:end]
-
-
 def _ready_prompt_logprobs(
     request: RequestState, delta: bool
 ) -> list[dict[int, Logprob] | None] | None:
@@ -280,25 +261,3 @@ def _ready_prompt_logprobs(
             return None
         request.prompt_logprobs_sent = True
     return prompt_logprobs
-
-
-def _truncate_at_stop(
-    detok: IncrementalDetokenizer, stops: list[str], include: bool, num_new_chars: int
-) -> str | None:
-    """If a stop string ends within the newest ``num_new_chars`` characters of the text, cut
-    the text there and return the string (vLLM's rule). The search starts ``len(stop) - 1``
-    characters before the new text, so a stop string straddling tokens is found, and it
-    covers all of the new text, however long one token's text is. Of several, the one that
-    ends first wins (ties: list order): what reading the text a character at a time finds."""
-    text = detok.text
-    first_new = len(text) - num_new_chars
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        idx = text.find(stop, max(0, first_new - len(stop) + 1))
-        if idx != -1 and (best is None or idx + len(stop) < best[0] + len(best[1])):
-            best = (idx, stop)
-    if best is None:
-        return None
-    idx, stop = best
-    detok.text = text[: idx + len(stop)] if include else text[:idx]
-    return stop
