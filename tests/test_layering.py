@@ -46,7 +46,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # a step's bookkeeping: batching and KV blocks; what the sampled tokens mean for requests
     ("inference.scheduler", "inference.output_processor", "inference.spec_decode"),
     ("inference.block_manager",),
-    ("inference.sampler", "inference.structured_output", "inference.detokenizer"),
+    # what a sampled row means: sampling, grammars, text
+    ("inference.sampler", "inference.structured_output", "inference.detokenizer",
+     "inference.text_output"),
     ("inference.spec_decode.rejection",),  # verifying drafts on the device
     ("inference.sequence",),
     ("inference.engine_messages",),  # engine process <-> server
