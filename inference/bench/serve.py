@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -64,6 +65,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once"
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--num-clients",
+        type=int,
+        default=1,
+        help="client processes sharing the load (round-robin, one clock), so that the "
+        "client is not the limit of a burst",
+    )
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument(
@@ -291,40 +299,113 @@ def spec_decode_fields(before: tuple[float, ...] | None,
     }
 
 
-async def run_load(args: argparse.Namespace, requests: list[BenchRequest]):
+def _session(args: argparse.Namespace, max_concurrency: int | None):
     import aiohttp
 
-    base_url = args.base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def _url(args: argparse.Namespace) -> str:
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    return args.base_url.rstrip("/") + path
+
+
+async def _send_scheduled(
+    session, args: argparse.Namespace, model: str, scheduled: list[tuple[BenchRequest, float]],
+    start_at: float, max_concurrency: int | None,
+) -> list[RequestResult]:
+    """Send each request ``offset`` seconds after the wall-clock time ``start_at``."""
+    url, headers = _url(args), _headers(args)
+    limiter = asyncio.Semaphore(max_concurrency or max(1, len(scheduled)))
+
+    async def one(request: BenchRequest) -> RequestResult:
+        async with limiter:
+            return await send_request(session, url, _payload(args, model, request), headers)
+
+    tasks = []
+    for request, offset in scheduled:
+        wait = start_at + offset - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one(request)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _client_process(
+    args: argparse.Namespace, model: str, scheduled: list[tuple[BenchRequest, float]],
+    start_at: float, max_concurrency: int | None,
+) -> tuple[list[RequestResult], float]:
+    """One of ``--num-clients`` load processes: its share of the requests, on the shared
+    clock; returns the results and the wall time its last one finished."""
+
+    async def run() -> list[RequestResult]:
+        async with _session(args, max_concurrency) as session:
+            return await _send_scheduled(session, args, model, scheduled, start_at,
+                                         max_concurrency)  # fmt: skip
+
+    results = asyncio.run(run())
+    return results, time.time()
+
+
+def _shares(num_clients: int, scheduled: list) -> list[list]:
+    """Round-robin: each client gets every ``num_clients``-th request of the schedule."""
+    return [scheduled[i::num_clients] for i in range(num_clients) if scheduled[i::num_clients]]
+
+
+async def run_load(args: argparse.Namespace, requests: list[BenchRequest]):
+    num_clients = max(1, getattr(args, "num_clients", 1) or 1)
+    async with _session(args, args.max_concurrency) as session:
+        base_url, headers = args.base_url.rstrip("/"), _headers(args)
         model = args.model or await _resolve_model(session, base_url, headers)
-        url = base_url + path
         # One request first, outside the measurement, so the server's lazy work is done.
         warmup = BenchRequest(requests[0].prompt, requests[0].input_len, 4)
-        await send_request(session, url, _payload(args, model, warmup), headers)
-        limiter = asyncio.Semaphore(args.max_concurrency or len(requests))
-
-        async def one(request: BenchRequest) -> RequestResult:
-            async with limiter:
-                return await send_request(session, url, _payload(args, model, request), headers)
-
+        await send_request(session, _url(args), _payload(args, model, warmup), headers)
+        offsets = list(itertools.accumulate(arrival_delays(len(requests), args.request_rate,
+                                                           args.seed)))  # fmt: skip
+        scheduled = list(zip(requests, offsets, strict=True))
         spec_before = await _spec_decode_counts(session, base_url, headers)
-        tasks = []
-        start = time.perf_counter()
-        for request, delay in zip(
-            requests, arrival_delays(len(requests), args.request_rate, args.seed), strict=True
-        ):
-            if delay:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(request)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        if num_clients == 1:
+            start = time.time()
+            results = await _send_scheduled(session, args, model, scheduled, start,
+                                            args.max_concurrency)  # fmt: skip
+            end = time.time()
+        else:
+            results, end, start = await _run_clients(args, model, scheduled, num_clients)
+        duration = end - start
         spec = spec_decode_fields(spec_before, await _spec_decode_counts(session, base_url,
                                                                           headers))  # fmt: skip
     return model, results, duration, spec
+
+
+async def _run_clients(args: argparse.Namespace, model: str, scheduled: list, num_clients: int):
+    """The schedule spread over ``num_clients`` processes (one Python client's event loop
+    tops out at some thousands of streamed tokens a second, below what a burst asks of a
+    fast server), all starting on one clock once every process is up."""
+    import concurrent.futures
+    import multiprocessing
+
+    shares = _shares(num_clients, scheduled)
+    concurrency = -(-args.max_concurrency // len(shares)) if args.max_concurrency else None
+    context = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+        # Processes start and import before the clock runs: a start far enough ahead.
+        list(pool.map(time.sleep, [0.0] * len(shares)))
+        start = time.time() + 1.0
+        futures = [loop.run_in_executor(pool, _client_process, args, model, share, start,
+                                        concurrency) for share in shares]  # fmt: skip
+        done = await asyncio.gather(*futures)
+    # Back in the schedule's order.
+    results: list[RequestResult | None] = [None] * len(scheduled)
+    for index, (share_results, _) in enumerate(done):
+        results[index :: len(shares)] = share_results
+    return results, max(end for _, end in done), start
 
 
 # ----- report ----------------------------------------------------------------------------
@@ -386,6 +467,7 @@ def summarize(
         random_range_ratio=args.random_range_ratio,
         request_rate=rate,
         max_concurrency=args.max_concurrency,
+        num_clients=getattr(args, "num_clients", 1),
         duration_s=round(duration, 3),
         request_throughput=round(len(done) / duration, 3),
         output_tok_s=round(output_tokens / duration, 1),
@@ -430,6 +512,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--token-ids needs --endpoint completions")
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    if args.num_clients < 1:
+        raise ValueError("--num-clients must be >= 1")
     requests = build_workload(args)
     model, results, duration, spec = asyncio.run(run_load(args, requests))
     result = summarize(args, model, results, duration, spec)

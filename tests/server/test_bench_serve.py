@@ -34,8 +34,10 @@ def bench(tmp_path, base_url: str, *extra: str) -> dict:
     [
         ("--request-rate", "20", "--token-ids", "--vocab-size", "300", "--save-detailed"),
         ("--request-rate", "inf", "--endpoint", "chat", "--random-range-ratio", "0.5"),
+        ("--request-rate", "inf", "--num-clients", "3", "--token-ids", "--vocab-size", "300",
+         "--save-detailed"),
     ],
-    ids=["poisson-token-ids", "burst-chat-text"],
+    ids=["poisson-token-ids", "burst-chat-text", "burst-3-client-processes"],
 )
 def test_bench_serve_reports_all_fields(tiny_server, tmp_path, capsys, extra):
     result = bench(
@@ -51,6 +53,7 @@ def test_bench_serve_reports_all_fields(tiny_server, tmp_path, capsys, extra):
         assert result["total_output_tokens"] == 12 * 16
     assert result["ttft_p50_ms"] <= result["ttft_p99_ms"] <= result["e2e_p99_ms"]
     assert result["output_tok_s"] > 0
+    assert result["num_clients"] == (3 if "--num-clients" in extra else 1)
     assert "Output throughput" in capsys.readouterr().out
     if "--save-detailed" in extra:
         requests = result["requests"]
