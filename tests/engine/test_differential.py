@@ -51,16 +51,17 @@ def models(tmp_path_factory):
     return built
 
 
-def _run(models, index: int, setting: dict, **workload_args):
+def _run(models, index: int, setting: dict, max_model_len: int = MAX_MODEL_LEN,
+         seed: int | None = None, **workload_args):  # fmt: skip
     arch = ARCHS[index % len(ARCHS)]
     folder, reference = models[arch]
     config = EngineConfig.from_kwargs(
-        folder, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-        **engine_args(setting, MAX_MODEL_LEN),
+        folder, device="cpu", max_model_len=max_model_len, max_num_seqs=32,
+        **engine_args(setting, max_model_len),
     )
     engine = LLMEngine(config)
     workload = random_workload(
-        1000 + index, vocab_size=300, max_model_len=MAX_MODEL_LEN,
+        1000 + index if seed is None else seed, vocab_size=300, max_model_len=max_model_len,
         block_size=setting["block_size"], **workload_args,
     )
     results = run_workload(engine, workload)
@@ -72,8 +73,9 @@ def _run(models, index: int, setting: dict, **workload_args):
     assert report.argmax_mismatches == 0, context
     # Nothing leaks: every block is free again (cached prefix blocks count as free).
     assert engine.block_manager.num_free_blocks == engine.num_total_blocks, context
+    stats = engine.stats()
     engine.shutdown()
-    return engine
+    return stats
 
 
 @pytest.mark.parametrize(
@@ -84,27 +86,33 @@ def test_matrix_against_transformers(models, index, setting):
 
 
 # The Triton kernels' own code (not their references) under the interpreter: slow, so a
-# share of the matrix with shorter prompts, chosen to cover every budget, caching and
-# scheduling mode and both block sizes.
+# share of the matrix with small workloads (5 requests, prompts of up to 96 tokens), chosen
+# to cover every budget, caching and scheduling mode and both block sizes. The "preempt"
+# rows' workloads are seeds that do preempt in a cache sized for 104 tokens (most small
+# workloads fit, and the row would test nothing of preemption): the test checks they do.
 TRITON_SHARE = [
-    dict(max_num_batched_tokens=32, enable_prefix_caching=True, async_scheduling=True,
-         enforce_eager=True, block_size=16, preempt=True),
-    dict(max_num_batched_tokens=256, enable_prefix_caching=False, async_scheduling=False,
-         enforce_eager=True, block_size=32, preempt=False),
-    dict(max_num_batched_tokens=None, enable_prefix_caching=True, async_scheduling=False,
-         enforce_eager=True, block_size=32, preempt=True),
-    dict(max_num_batched_tokens=2048, enable_prefix_caching=True, async_scheduling=True,
-         enforce_eager=True, block_size=16, preempt=False),
+    (dict(max_num_batched_tokens=32, enable_prefix_caching=True, async_scheduling=True,
+          enforce_eager=True, block_size=16, preempt=True), 1018),
+    (dict(max_num_batched_tokens=256, enable_prefix_caching=False, async_scheduling=False,
+          enforce_eager=True, block_size=32, preempt=False), 1001),
+    (dict(max_num_batched_tokens=None, enable_prefix_caching=True, async_scheduling=False,
+          enforce_eager=True, block_size=32, preempt=True), 1028),
+    (dict(max_num_batched_tokens=2048, enable_prefix_caching=True, async_scheduling=True,
+          enforce_eager=True, block_size=16, preempt=False), 1003),
 ]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "index,setting", list(enumerate(TRITON_SHARE)), ids=[setting_id(s) for s in TRITON_SHARE]
-)
-def test_triton_kernels_against_transformers(models, monkeypatch, index, setting):
+    "index,setting,seed", [(i, s, seed) for i, (s, seed) in enumerate(TRITON_SHARE)],
+    ids=[setting_id(s) for s, _ in TRITON_SHARE],
+)  # fmt: skip
+def test_triton_kernels_against_transformers(models, monkeypatch, index, setting, seed):
     monkeypatch.setenv("PAGODA_DISABLE_TRITON", "0")  # TRITON_INTERPRET=1 is set for CPU runs
-    _run(models, index, setting, num_requests=8, max_new_tokens=6, long_prompts=False)
+    stats = _run(models, index, setting, max_model_len=104, seed=seed, num_requests=5,
+                 max_new_tokens=5, long_prompts=False)  # fmt: skip
+    if setting["preempt"]:
+        assert stats.num_preemptions_total > 0
 
 
 def test_harness_sees_a_wrong_kv_read(models, monkeypatch):
