@@ -18,8 +18,10 @@ import argparse
 import json
 import pickle
 import random
+import sys
 import time
 
+from inference.bench.common import record, write_json
 from inference.config import EngineConfig
 from inference.engine_core import EngineCore, _CoreRequest
 from inference.engine_messages import StepOutputs
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
+    parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         from inference.model_files import ensure_default_model
@@ -103,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     in_engine = measure(tokenizer, args.rows, args.steps, text=True)
     in_server = measure(tokenizer, args.rows, args.steps, text=False)
     assert in_engine["chars"] == in_server["chars"], (in_engine, in_server)
-    result = {"rows": args.rows, "steps": args.steps, "text_in_engine": in_engine,
-              "text_in_server": in_server}  # fmt: skip
+    result = record("output_path", rows=args.rows, steps=args.steps,
+                    text_in_engine=in_engine, text_in_server=in_server)  # fmt: skip
+    result["command"] = "python -m benchmarks.output_path_check " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    write_json(args.output_json, result)
     print(json.dumps(result, indent=1))
     print(f"{'ms per step of ' + str(args.rows) + ' rows':<32}{'engine':>10}{'server':>10}")
     for name, row in (("text in the engine", in_engine), ("text in the server", in_server)):

@@ -125,6 +125,29 @@ class _Stream:
             waiter.set_result(None)
 
 
+def _merge_deltas(output: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later``'s delta appended to ``output``'s (both the request's, not yet handed out):
+    when the consumer lags behind the engine, the steps queued for it go out as one output
+    (one SSE event, one write), as vLLM V1's output collector merges them."""
+    completions = {c.index: c for c in output.outputs}
+    for c in later.outputs:
+        merged = completions.get(c.index)
+        if merged is None:
+            output.outputs.append(c)
+            completions[c.index] = c
+            continue
+        merged.text += c.text
+        merged.token_ids = merged.token_ids + c.token_ids
+        if c.logprobs is not None:
+            merged.logprobs = (merged.logprobs or []) + c.logprobs
+        merged.cumulative_logprob = c.cumulative_logprob
+        merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
+    output.finished = later.finished
+    if later.prompt_logprobs is not None:
+        output.prompt_logprobs = later.prompt_logprobs
+    return output
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -421,10 +444,16 @@ class AsyncLLMEngine:
                     finally:
                         stream.waiter = None
                 output = items.popleft()
-                finished = output.finished
                 if accumulator is not None:
                     accumulator.add(output)
+                    while items:  # steps that queued up meanwhile: one output for all
+                        accumulator.add(items.popleft())
+                    finished = accumulator.finished
                     output = accumulator.output()
+                else:
+                    while items:
+                        output = _merge_deltas(output, items.popleft())
+                    finished = output.finished
                 yield output
                 if finished:
                     return

@@ -101,7 +101,8 @@ def test_deltas_add_up_and_never_show_a_cut_stop_string(shared):
         outputs = [o async for o in engine.generate("hi there", greedy)]
         full = outputs[-1].outputs[0]
         deltas = [o async for o in engine.generate("hi there", greedy, delta=True)]
-        assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * len(full.token_ids)
+        # One token a step; steps that queue up while the reader lags go out as one delta.
+        assert all(d.outputs[0].token_ids for d in deltas)
         assert sum((d.outputs[0].token_ids for d in deltas), []) == full.token_ids
         assert "".join(d.outputs[0].text for d in deltas) == full.text
         assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
@@ -118,6 +119,32 @@ def test_deltas_add_up_and_never_show_a_cut_stop_string(shared):
         assert "".join(d.outputs[0].text for d in deltas) == text[:start]
         assert deltas[-1].outputs[0].finish_reason == "stop"
         assert deltas[-1].outputs[0].stop_reason == stop
+
+    loop.run(scenario())
+
+
+def test_a_lagging_reader_gets_the_queued_steps_as_one_delta(shared):
+    """Deltas queued while the reader was away are merged: one output with all their
+    tokens, text and logprobs, the finish with them (what the SSE stream then writes once)."""
+    loop, engine = shared
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=2, n=2,
+                            seed=3)  # fmt: skip
+
+    async def scenario():
+        full = [o async for o in engine.generate("hi there", params)][-1]
+        stream = engine.generate("hi there", params, delta=True)
+        first = await anext(stream)
+        await wait_idle(engine)  # every other step is queued now
+        rest = [o async for o in stream]
+        assert len(rest) == 1 and rest[0].finished
+        for completion in full.outputs:
+            parts = [c for o in (first, rest[0]) for c in o.outputs if c.index == completion.index]
+            assert sum((c.token_ids for c in parts), []) == completion.token_ids
+            assert "".join(c.text for c in parts) == completion.text
+            logprobs = sum((c.logprobs for c in parts), [])
+            assert [sorted(e) for e in logprobs] == [sorted(e) for e in completion.logprobs]
+            assert parts[-1].finish_reason == "length"
+            assert parts[-1].cumulative_logprob == pytest.approx(completion.cumulative_logprob)
 
     loop.run(scenario())
 
