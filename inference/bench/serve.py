@@ -2,7 +2,9 @@
 
 Open-loop: requests are sent at Poisson arrival times (``--request-rate``, seeded) or all at
 once (``inf``), whether or not earlier ones have finished, so a slow server builds a queue
-instead of slowing the load down. Every request streams; TTFT, inter-token latency (ITL),
+instead of slowing the load down. Every request streams; TTFT, inter-token latency (ITL:
+the gap between streamed chunks, as vLLM's bench counts it; a chunk carries several tokens
+where drafts were accepted or the server merged the steps queued for a lagging stream),
 time per output token (TPOT) and end-to-end latency are measured on the client side, and
 token counts come from the server's usage block.
 """

@@ -58,7 +58,10 @@ def test_bench_serve_reports_all_fields(tiny_server, tmp_path, capsys, extra):
     if "--save-detailed" in extra:
         requests = result["requests"]
         assert len(requests) == 12 and all(r["ok"] for r in requests)
-        assert all(len(r["itl_ms"]) == r["output_tokens"] - 1 for r in requests)
+        # ITL is per streamed chunk: one a token, fewer where the server merged the steps
+        # queued for a lagging stream (or drafts were accepted) into one chunk.
+        assert all(len(r["itl_ms"]) <= r["output_tokens"] - 1 for r in requests)
+        assert all(r["ttft_ms"] + sum(r["itl_ms"]) <= r["e2e_ms"] + 0.05 for r in requests)
         assert all(r["ttft_ms"] <= r["e2e_ms"] and r["start_time"] > 0 for r in requests)
     else:
         assert "requests" not in result
