@@ -44,16 +44,30 @@ def field_error(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{param}: {message}", context)
 
 
-def _lone_surrogate_path(value: Any, path: str) -> str | None:
-    """The dotted path of the first string (or key) in ``value`` that is not valid Unicode."""
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string (or key) in ``value`` is not valid Unicode. A request's bulk is
+    numbers (token ids, logit biases): they are skipped without building a path each."""
     if isinstance(value, str):
         if value.isascii():
-            return None
+            return False
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "body"
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value if not isinstance(v, (int, float)))
+    return False
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (or key) in ``value`` that is not valid Unicode."""
+    if not _has_lone_surrogate(value):
         return None
+    if isinstance(value, str):
+        return path or "body"
     if isinstance(value, dict):
         for key, item in value.items():
             # The path is echoed in the error message: it must be valid Unicode itself.
