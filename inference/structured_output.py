@@ -227,17 +227,12 @@ class GrammarCompiler:
         return bitmask
 
     def advance(self, matchers: SequenceABC[Any], token_ids: SequenceABC[int]) -> list[bool]:
-        """Advance each sequence's matcher by its new token (one llguidance call for the
-        batch, in parallel, without the GIL); per matcher, True once the grammar admits no
-        more tokens (the output is complete)."""
-        import llguidance.numpy as llg_numpy
-
-        if len(matchers) == 1:
-            accepted = [matchers[0].consume_token(token_ids[0])]
-        else:
-            accepted = llg_numpy.consume_token_par(
-                self._llg_executor(), list(zip(matchers, token_ids))
-            )
+        """Advance each sequence's matcher by its new token; per matcher, True once the
+        grammar admits no more tokens (the output is complete). One matcher after the
+        other in this thread: a token costs about a microsecond, and llguidance's parallel
+        executor only adds its dispatch (on the H200's host, 64 rows: 0.43 ms against
+        0.10; 256 rows: 1.19 against 0.41)."""
+        accepted = [m.consume_token(t) for m, t in zip(matchers, token_ids, strict=True)]
         ended = []
         for matcher, token_id, ok in zip(matchers, token_ids, accepted):
             if not ok:
