@@ -47,7 +47,7 @@ run: venv
 
 test: venv tools
 	$(VENV)/bin/ruff check inference pagoda_kernels operator tests e2e scripts benchmarks
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 images:
 	for target in $(IMAGE_TARGETS); do \

@@ -56,6 +56,7 @@ from inference.sampling_params import SamplingParams, check_max_logprobs
 from inference.scheduler import ScheduledBatch
 from inference.sequence import Sequence, SequenceStatus
 from inference.spec_decode.drafting import SpecDecoder, VerifiedTokens
+from inference.text_output import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +200,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             source = self.grammars.check(params.structured_outputs)
             grammar = self.grammars.matcher(params.structured_outputs, source)
-        eos = set() if params.ignore_eos else set(self.eos_token_ids)
-        params.all_stop_token_ids = eos | set(params.stop_token_ids)
+        params.all_stop_token_ids = stop_token_ids(params, self.eos_token_ids)
 
         arrival_time = time.time() if arrival_time is None else arrival_time
         seqs = []
@@ -293,10 +293,9 @@ class LLMEngine:
             if request is None:
                 continue
             for seq in request.seqs:
-                self._unscored.discard(seq)
                 if not seq.is_finished:
-                    self.scheduler.finish(seq)
-                    seq.finish_reason = "abort"
+                    self._finish(seq, "abort")
+                self._unscored.discard(seq)
             self._emit(request, self._pending_outputs)
 
     def leave_text_to_server(self) -> None:
@@ -317,12 +316,17 @@ class LLMEngine:
             seq = request.seqs[index]
             if seq.is_finished:
                 continue
-            self._unscored.discard(seq)
-            self.scheduler.finish(seq)
-            seq.finish_reason, seq.stop_reason = "stop", stop
+            self._finish(seq, "stop", stop)
             touched[request_id] = request
         for request in touched.values():
             self._emit(request, self._pending_outputs)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> None:
+        """End a running or waiting completion from outside the step (abort, a stop string
+        the server found): its blocks go back and it is never scored."""
+        self._unscored.discard(seq)
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # -- the loop ----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -89,8 +89,7 @@ class OutputProcessor:
     ) -> RequestState:
         detokenize = self.text and params.detokenize and self.tokenizer is not None
         texts = [
-            CompletionText(self.tokenizer, prompt_token_ids, params,
-                           frozenset(params.all_stop_token_ids))
+            CompletionText(self.tokenizer, prompt_token_ids, params, params.all_stop_token_ids)
             if detokenize
             else None
             for _ in seqs

@@ -113,7 +113,7 @@ class SamplingParams:
     # asks for FINAL_ONLY, the server's engine process for DELTA.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: EOS and generation-config stop ids of the model.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
