@@ -22,10 +22,6 @@ class LoRARequest:
             raise ValueError(f"LoRA adapter {self.lora_name!r} has no lora_path")
 
     @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id
-
-    @property
     def name(self) -> str:
         return self.lora_name
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -43,7 +42,6 @@ class Backend:
     kv_cache_usage: float = 0.0
     healthy: bool = True
     last_error: str = ""
-    scraped_at: float = 0.0
 
     def load(self) -> EngineLoad:
         return EngineLoad(self.in_flight, self.waiting, self.running, self.kv_cache_usage)
@@ -170,7 +168,7 @@ class BackendPool:
             return
         if not backend.healthy:
             logger.info("backend %s answers again", backend.url)
-        backend.healthy, backend.last_error, backend.scraped_at = True, "", time.monotonic()
+        backend.healthy, backend.last_error = True, ""
 
     async def scrape_forever(self, client: httpx.AsyncClient, interval_s: float) -> None:
         while True:

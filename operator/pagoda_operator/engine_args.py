@@ -109,7 +109,3 @@ def speculative_config(speculative: dict[str, Any]) -> str:
     config = {key: speculative[field] for field, key in _SPECULATIVE_KEYS
               if speculative.get(field) is not None}
     return json.dumps(config, separators=(",", ":"))
-
-
-def _format_number(value: float) -> str:
-    return f"{value:g}"

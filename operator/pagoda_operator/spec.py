@@ -28,9 +28,7 @@ QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 # The engine's speculative_config methods (tests/test_settings_contract.py keeps them equal).
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 TUNING_MODES = ("Off", "Recommend", "Auto")
-SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 AUTOSCALER_BACKENDS = ("HPA", "KEDA")
-TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization")
 
 # Flags the operator sets from typed fields; passing them again through extraArgs would
 # make the Deployment disagree with the LLMDeployment it came from.

@@ -56,15 +56,6 @@ def _int4_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias
     tl.store(out_ptr + row * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-@triton.jit
-def _x_at(x_ptr, row, M, stride_x, ks, zero_n, K):
-    # x[row, ks] broadcast over the tile's BLOCK_N rows: the weight tile's register layout
-    # (each thread loads the x elements it multiplies, from L1). Rows past M are clamped.
-    r = tl.minimum(row, M - 1).to(tl.int64)
-    ptrs = x_ptr + r * stride_x + zero_n[:, None] + ks[None, :]
-    return tl.load(ptrs, mask=(ks < K)[None, :], other=0.0).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_words_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
                           ws_ptr, M, N, K, stride_x, stride_q, num_groups, words_per_split,

@@ -46,8 +46,6 @@ REQUIRED = (
     "ttft_p95_s",
     "itl_p95_s",
 )
-# kube-state-metrics series: clusters without it get no restart / OOM signal.
-OPTIONAL = ("restarts", "oom_kills")
 
 
 def owner_selector(namespace: str, name: str) -> str:
