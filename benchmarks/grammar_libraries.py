@@ -3,9 +3,8 @@ as ``structured_check``, fill and advance per decode step for a batch of rows.
 
     python -m benchmarks.grammar_libraries --tokenizer DIR [--batch-size 64 256] [--out F]
 
-llguidance runs as the engine runs it (matchers cloned from one template; fills through
-its executor with one thread, advances one after the other) and as it would with
-llguidance's default executor; xgrammar (not a dependency: installed beside it when there)
+llguidance runs as the engine runs it (rows cloned in turn from twice as many templates as
+fill threads, advances one after the other) and with one template and one thread; xgrammar (not a dependency: installed beside it when there)
 runs its ``BatchGrammarMatcher`` with 1, 4 and 8 threads. Times are host wall time per
 step, the first two steps (lexer warm-up) left out.
 """
@@ -19,7 +18,9 @@ import time
 
 from benchmarks import structured_check as sc
 from inference.bench.common import record, write_json
+from inference.structured_output import FILL_THREADS
 
+TEMPLATES = 1 if FILL_THREADS == 1 else 2 * FILL_THREADS  # GrammarCompiler's rule
 VOCAB = 151_936  # the Qwen2.5 models' (padded) vocabulary: the mask's width
 
 
@@ -97,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch_size:
         docs = [tokenizer.encode(d, add_special_tokens=False) for d in sc._documents(batch)]
         runs = [
-            ("llguidance", "engine (1 fill thread)", llguidance_rows, 1),
-            ("llguidance", "default executor", llguidance_rows, None),
+            (
+                "llguidance",
+                f"engine ({FILL_THREADS} threads, {TEMPLATES} templates)",
+                llguidance_rows,
+                FILL_THREADS,
+            ),
+            ("llguidance", "one template, 1 thread", llguidance_rows, 1),
         ]
         if has_xgrammar:
             runs += [("xgrammar", f"batch, {n} threads", xgrammar_rows, n) for n in (1, 4, 8)]

@@ -308,9 +308,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--step-grammar", default="json", choices=["json", "regex"],
                         help="the step measurement's constraint (see the module doc)")
-    parser.add_argument("--fill-threads", type=int, default=1,
+    parser.add_argument("--fill-threads", type=int, default=None,
                         help="llguidance's threads for batched mask fills (default: the "
-                        "engine's, 1; 0: llguidance's own, 80%% of the CPUs up to 32)")
+                        "engine's, half the CPUs up to 8; 0: llguidance's own, 80%% of the "
+                        "CPUs up to 32)")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: --model tiny, batches 1 and 8, 16 in / 16 out")
     parser.add_argument("--synthetic-vocab", type=int, default=32_000,
@@ -352,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(folder, tokenizer=tokenizer, device=args.device, max_num_seqs=max(batches),
               max_model_len=args.input_len + args.output_len + 8, **extra)
     engine = llm.engine
-    engine.grammars.fill_threads = args.fill_threads or None
+    if args.fill_threads is not None:
+        engine.grammars.fill_threads = args.fill_threads or None
     rows = []
     for batch in batches:
         mask = measure_mask(engine, batch)
@@ -360,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(record("structured_check",
                            model=model if model in SHAPES or model == "tiny" else args.model,
                            tokenizer=tokenizer_kind, device=str(engine.device),
-                           fill_threads=args.fill_threads or "llguidance default",
+                           fill_threads=engine.grammars.fill_threads or "llguidance default",
                            vocab_size=engine.model_config.vocab_size, **mask, **step))
     write_json(args.out, rows)
     print(f"\nstructured outputs on {engine.device} ({model}, model vocab "

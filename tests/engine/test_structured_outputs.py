@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -297,11 +298,42 @@ def test_stop_ids_the_tokenizer_lacks_do_not_break_grammars(tmp_path):
     tokenizer = build_tokenizer(tmp_path)
     compiler = GrammarCompiler(tokenizer, 1000, [5000])
     spec = StructuredOutputsParams(choice=["the cat"])
-    matcher = compiler.matcher(spec, compiler.check(spec)).result()
+    matcher = compiler.matcher(spec, compiler.check(spec)).result().deep_copy()
     for token_id in tokenizer.encode("the cat", add_special_tokens=False):
         assert matcher.consume_token(token_id)
     bitmask = compiler.fill_bitmask([matcher])
     assert bitmask.shape == (1, 1000 // 32 + 1)
     allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
     assert allowed.tolist() == [tokenizer.eos_token_id]
+    compiler.close()
+
+
+def test_rows_of_one_constraint_are_cloned_from_several_templates(tmp_path):
+    """Clones of one llguidance matcher fill one after another (a shared lexer cache behind
+    one lock), so a constraint gets independent templates and its rows take them in turn;
+    every template admits the same tokens."""
+    from tiny_models import build_tokenizer
+
+    from inference.structured_output import GrammarCompiler
+
+    tokenizer = build_tokenizer(tmp_path)
+    compiler = GrammarCompiler(tokenizer, 1000, [tokenizer.eos_token_id])
+    compiler.fill_threads = 2
+    assert compiler.templates_per_constraint() == 4
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
+    templates = compiler.matcher(spec, compiler.check(spec)).result()
+    deadline = time.monotonic() + 60  # built inline when cheap, else in the background
+    while len(templates) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(templates) == 4
+    rows = [templates.deep_copy() for _ in range(8)]
+    assert len({id(t) for t in templates._templates}) == 4
+    text = tokenizer.encode('{"a": "x', add_special_tokens=False)
+    for row in rows:
+        for token_id in text:
+            assert row.consume_token(token_id)
+    bitmask = compiler.fill_bitmask(rows)
+    assert (bitmask == bitmask[0]).all() and bitmask[0].any()
+    compiler.fill_threads = 1
+    assert compiler.templates_per_constraint() == 1
     compiler.close()
