@@ -2,7 +2,8 @@
 missing graphs, on a thread of its own, while the engine keeps stepping under the old limit
 (``inference.reconfigure``, ``GraphExtension``); it takes effect at the first step after,
 the graphs already captured stay in use, and every request gets the greedy tokens it gets
-from an engine that never changed."""
+from an engine that never changed (up to near ties, which other batch shapes may round the
+other way: ``_assert_same_tokens``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import pytest
 import torch
+from differential import Reference
 from tiny_models import build_tiny_model
 
 from inference.config import EngineConfig
@@ -50,6 +52,35 @@ def _add(engine: LLMEngine) -> None:
 def _collect(outputs: dict[str, list[int]], step_outputs) -> None:
     for out in step_outputs:
         outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def _assert_same_tokens(folder: str, got: dict[str, list[int]], want: dict[str, list[int]],
+                        prompts: dict[str, list[int]], tie_tol: float = 1e-3) -> None:
+    """``got`` is ``want``, token for token, but for near ties: a changed engine runs other
+    batch shapes than the unchanged one, and a float32 GEMM of another shape may round a
+    near tie the other way (the comparison the guide forbids to be bit-exact). Where a
+    request's tokens part, transformers' forward (teacher-forced on the changed engine's
+    tokens) must find the two tokens within ``tie_tol`` of each other in logprob, and every
+    token ``got`` has is its argmax up to the same tolerance."""
+    assert got.keys() == want.keys()
+    parted = [rid for rid in got if got[rid] != want[rid]]
+    if not parted:
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    reference = Reference(model, "cuda")
+    for rid in parted:
+        tokens, unchanged = got[rid], want[rid]
+        assert len(tokens) == len(unchanged), rid
+        at = next(i for i, (a, b) in enumerate(zip(tokens, unchanged)) if a != b)
+        logprobs = reference.logprobs(prompts[rid], tokens)
+        gap = abs(float(logprobs[at, tokens[at]]) - float(logprobs[at, unchanged[at]]))
+        assert gap <= tie_tol, (rid, at, tokens[at], unchanged[at], gap)
+        regrets = logprobs.max(dim=-1).values - logprobs.gather(
+            1, torch.tensor(tokens)[:, None]).squeeze(1)  # fmt: skip
+        assert float(regrets.max()) <= tie_tol, (rid, regrets.argmax().item())
+    print(f"{len(parted)} of {len(got)} requests parted from the unchanged engine at a near tie")
 
 
 def _unchanged_tokens(folder: str) -> dict[str, list[int]]:
@@ -117,7 +148,10 @@ def test_a_raise_past_the_graphs_captures_in_the_background_and_keeps_the_tokens
         peak = max(peak, len(engine.scheduler.running))
         _collect(got, engine.step())
     assert peak > 4  # the raised limit was used, through the new graphs
-    assert got == {**want, **{f"late-{i}": want[str(i)] for i in range(len(PROMPTS))}}
+    late = {f"late-{i}": want[str(i)] for i in range(len(PROMPTS))}
+    prompts = {str(i): p for i, p in enumerate(PROMPTS)}
+    prompts.update({f"late-{i}": p for i, p in enumerate(PROMPTS)})
+    _assert_same_tokens(folder, got, {**want, **late}, prompts)
     engine.shutdown()
 
 
@@ -174,7 +208,8 @@ def test_outputs_unchanged_across_100_live_changes_under_load(folder):
                                              "num_kv_blocks": blocks})  # fmt: skip
             (resize_s if resizing else limits_s).append(seconds)
             engine.block_manager.check_invariants(engine.scheduler.running)
-    assert step > 100 and got == want
+    assert step > 100
+    _assert_same_tokens(folder, got, want, {str(i): p for i, p in enumerate(PROMPTS)})
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     print(f"live changes on the GPU: {len(limits_s)} limits only, max {max(limits_s):.4f} s; "
