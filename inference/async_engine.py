@@ -23,6 +23,13 @@ every stream, and each would wait on the other. This side keeps the server's vie
   path: requests fail, ``/health`` 503) and kills it, since a late answer could no longer be
   delivered to anyone.
 
+With ``pagoda serve --api-server-count N`` there are N API processes, each with one of
+these: the first launches the engine process (``launch(num_fronts=N)``) and hands the other
+processes their pipes; each of those ``attach``es to the running engine. A request's rows
+come back to the process that added it; stats and timings reach every process, and each
+sends the finish counts it saw (``FinishCounts``) to the engine, which passes them on to
+all, so that any process's ``/metrics`` counts the whole engine's requests.
+
 The tokenizer is loaded here as well (while the engine loads its weights), because the
 server renders chat templates and checks prompt lengths before anything is queued.
 """
@@ -35,7 +42,9 @@ import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -55,6 +64,7 @@ from inference.engine_messages import (
     Dead,
     EngineInfo,
     EngineStats,
+    FinishCounts,
     Heartbeat,
     Message,
     Ready,
@@ -169,7 +179,9 @@ class AsyncLLMEngine:
         self._step_timeout_s = engine_step_timeout_s
 
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._process: BaseProcess | None = None
+        self._process: BaseProcess | _EnginePeer | None = None
+        self._attached = False  # another API process launched the engine (``attach``)
+        self._shared = False  # other API processes share the engine
         self._commands: Connection | None = None  # to the engine process
         self._outputs: Connection | None = None  # from the engine process
         # Commands for the sender thread; None is its stop sign.
@@ -193,30 +205,52 @@ class AsyncLLMEngine:
 
     # ----- lifecycle -------------------------------------------------------------------
 
-    def launch(self) -> None:
+    def launch(self, num_fronts: int = 1) -> list[tuple[Connection, Connection]]:
         """Start the engine process, which begins loading the model at once; the server
         calls this before it imports and builds its app, so that both start together.
-        ``start`` launches it too when this was not called."""
+        ``start`` launches it too when this was not called. ``num_fronts`` > 1: other API
+        processes will share the engine; returns the (commands, outputs) pipe ends each of
+        them ``attach``es with (the caller closes its copies once it has handed them on)."""
         if self._process is not None:
             raise RuntimeError("AsyncLLMEngine already launched")
         context = multiprocessing.get_context("spawn")
-        commands_in, self._commands = context.Pipe(duplex=False)
-        self._outputs, outputs_out = context.Pipe(duplex=False)
-        for connection in (self._commands, self._outputs):
-            _grow_pipe(connection)
+        core_ends, front_ends = [], []
+        for _ in range(num_fronts):
+            commands_in, commands_out = context.Pipe(duplex=False)
+            outputs_in, outputs_out = context.Pipe(duplex=False)
+            for connection in (commands_out, outputs_in):
+                _grow_pipe(connection)
+            core_ends.append((commands_in, outputs_out))
+            front_ends.append((commands_out, outputs_in))
+        (commands_in, outputs_out), more_fronts = core_ends[0], core_ends[1:]
+        self._commands, self._outputs = front_ends[0]
+        self._shared = num_fronts > 1
         self._process = context.Process(
             target=run_engine_core,
             args=(
                 self._config, commands_in, outputs_out, self._engine_factory,
-                logging.getLogger().getEffectiveLevel(),
+                logging.getLogger().getEffectiveLevel(), more_fronts,
             ),
             name="pagoda-engine-core",
             daemon=False,  # the engine may spawn tensor-parallel workers of its own
         )  # fmt: skip
         self._process.start()
         # Only the child holds these ends now: its exit closes our pipe (EOF), and ours its.
-        commands_in.close()
-        outputs_out.close()
+        for ends in core_ends:
+            for connection in ends:
+                connection.close()
+        atexit.register(self._stop_process)
+        return front_ends[1:]
+
+    def attach(self, commands: Connection, outputs: Connection, engine_pid: int) -> None:
+        """Use an engine process another API process launched (``launch(num_fronts)``), over
+        the pipes it handed on. Stopping leaves that process alone: only this one's
+        requests end (the engine aborts those still running)."""
+        if self._process is not None:
+            raise RuntimeError("AsyncLLMEngine already launched")
+        self._commands, self._outputs = commands, outputs
+        self._process = _EnginePeer(engine_pid)
+        self._attached = self._shared = True
         atexit.register(self._stop_process)
 
     def start(self) -> None:
@@ -292,7 +326,8 @@ class AsyncLLMEngine:
         atexit.unregister(self._stop_process)
         self._outbox.put(Shutdown())
         self._outbox.put(None)  # the sender thread's stop sign
-        if not self._wait_exit(_STOP_TIMEOUT_S):
+        # Attached: the engine serves on; it closes this process's pipes, the reader ends.
+        if not self._attached and not self._wait_exit(_STOP_TIMEOUT_S):
             for kill in (process.terminate, process.kill):
                 logger.warning("engine process %s did not stop; %s", process.pid, kill.__name__)
                 with self._process_lock:
@@ -541,7 +576,9 @@ class AsyncLLMEngine:
     def _on_stats(self, stats: EngineStats, num_adds: int, timings: StepTimings | None) -> None:
         self._snapshot = (stats, num_adds)
         finished = self._text.take_finished()
-        if finished:  # counted here, where the final finish reason is known
+        if finished and self._shared:  # the engine passes them on to every API process
+            self._submit(FinishCounts(finished))
+        elif finished:  # counted here, where the final finish reason is known
             timings = timings or StepTimings()
             for reason, count in finished.items():
                 timings.finished[reason] = timings.finished.get(reason, 0) + count
@@ -628,6 +665,9 @@ class AsyncLLMEngine:
                     messages = self._load_tokenizer(message.tokenizer_path, messages)
             if messages and not self._post(self._on_messages, messages):
                 return
+        if self._attached and self._stopping:  # the engine let go of this process
+            self._post(self._on_exit, None)
+            return
         self._wait_exit(1.0)
         with self._process_lock:
             exit_code = self._process.exitcode
@@ -687,6 +727,41 @@ class AsyncLLMEngine:
                     return  # the engine process is gone; the reader reports it
             if stop:
                 return
+
+
+class _EnginePeer:
+    """The engine process as an API process that did not start it sees it (``attach``):
+    what ``multiprocessing.Process`` offers that process's health checks, through a pidfd
+    (it cannot be joined or reaped from here, and its exit code is not known here)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+        try:
+            self.sentinel = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: a descriptor that reads as closed
+            read, write = os.pipe()
+            os.close(write)
+            self.sentinel = read
+
+    def is_alive(self) -> bool:
+        return not multiprocessing.connection.wait([self.sentinel], 0)
+
+    def join(self, timeout: float | None = None) -> None:
+        multiprocessing.connection.wait([self.sentinel], timeout)
+
+    def _signal(self, sig: int) -> None:
+        if self.is_alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
 
 
 def _grow_pipe(connection: Connection) -> None:

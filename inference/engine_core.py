@@ -19,6 +19,13 @@ V1's API process does (``inference/text_output.py``).
 
 The messages both ways are the dataclasses of ``inference/engine_messages.py``; what the
 loop needs of the engine is ``CoreEngine`` (``LLMEngine`` is the one in production).
+
+Several API processes (``pagoda serve --api-server-count N``) share one core, each through
+two pipes of its own (a ``_Front``): the loop waits on every front's command pipe, a
+request's rows go back to the front that added it, and what describes the whole engine
+(stats, timings, readiness, live changes, death) goes to every front. The first front owns
+the core: its ``Shutdown`` or closed pipe stops it. Another front's leaves alone: its
+requests still running are aborted and the core serves on.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
 from inference.config import EngineConfig, ResolvedEngineConfig
@@ -46,6 +54,7 @@ from inference.engine_messages import (
     Dead,
     EngineInfo,
     EngineStats,
+    FinishCounts,
     Heartbeat,
     Message,
     OutputRows,
@@ -167,17 +176,34 @@ class _Shutdown(Exception):
     """The server asked the core to stop, or its pipe closed."""
 
 
+class _FrontGone(Exception):
+    """An API process other than the first left (``Shutdown``, or its pipe closed)."""
+
+
 class _StartError(Exception):
     """Loading or warming up the engine failed."""
 
 
+class _Front:
+    """One API process's two pipes, and how many of its ``AddRequest``s the core took."""
+
+    __slots__ = ("index", "commands", "outputs", "num_adds")
+
+    def __init__(self, index: int, commands: Connection | None, outputs: Connection | None):
+        self.index = index  # 0: the API process that owns the core
+        self.commands = commands
+        self.outputs = outputs
+        self.num_adds = 0
+
+
 class _CoreRequest:
-    """One request's latency bookkeeping."""
+    """One request's latency bookkeeping, and the front it came from."""
 
-    __slots__ = ("arrival", "last_token_time", "num_generated", "tail_sent")
+    __slots__ = ("arrival", "front", "last_token_time", "num_generated", "tail_sent")
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, front: int = 0) -> None:
         self.arrival = arrival
+        self.front = front
         self.last_token_time: float | None = None
         self.num_generated = 0  # tokens of all n completions
         self.tail_sent = False  # the prompt's last tokens went out with its first row
@@ -187,17 +213,21 @@ class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        commands: multiprocessing.connection.Connection,
-        outputs: multiprocessing.connection.Connection,
+        commands: Connection | None,
+        outputs: Connection | None,
         engine_factory: EngineFactory = default_engine_factory,
+        more_fronts: Sequence[tuple[Connection, Connection]] = (),
     ) -> None:
+        """``commands``/``outputs``: the first API process's pipes; ``more_fronts``: the
+        (commands, outputs) pipes of the others (``--api-server-count``)."""
         self.config = config
-        self.commands = commands
-        self.outputs = outputs
+        self.fronts = [_Front(0, commands, outputs)] + [
+            _Front(i, c, o) for i, (c, o) in enumerate(more_fronts, start=1)
+        ]
+        self.open_fronts = list(self.fronts)  # the fronts still attached
         self.engine_factory = engine_factory
         self.engine: CoreEngine | None = None
         self.requests: dict[str, _CoreRequest] = {}
-        self.num_adds = 0
         self.timings = StepTimings()
         self.next_health_check = 0.0
         # (start wall time, step s, send s, running, waiting, new prompt tokens, new
@@ -267,17 +297,18 @@ class EngineCore:
         stats = engine.stats()
         self.trace_totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
         self.computed_tokens = engine.computed_tokens_total
-        self._send([Ready(info, stats, self.num_adds)])
+        for front in self.open_fronts:
+            self._send_to(front, [Ready(info, stats, front.num_adds)])
         logger.info("engine core ready: %s (pid %d)", info.model_name, info.pid)
         return engine
 
     def _loop(self, engine: CoreEngine) -> None:
-        commands = self.commands
         while True:
             busy = engine.has_unfinished_requests()
             idle_wait = LIVE_CHANGE_POLL_S if self.live_change is not None else HEARTBEAT_S
-            if commands.poll(0 if busy else idle_wait):
-                self._take_commands(engine)
+            ready = self._wait_commands(0 if busy else idle_wait)
+            if ready:
+                self._take_commands(engine, ready)
                 if not engine.has_unfinished_requests():
                     self._answer_live_change(engine)
                     self._send_stats(engine)
@@ -296,7 +327,10 @@ class EngineCore:
             rows = self._rows(outputs, now)
             timings, self.timings = self.timings, StepTimings()
             stats = engine.stats()
-            self._send([StepOutputs(stats, self.num_adds, rows, timings or None)])
+            timings = timings or None
+            for front in list(self.open_fronts):
+                self._send_to(front, [StepOutputs(stats, front.num_adds, rows[front.index],
+                                                  timings)])  # fmt: skip
             if self.trace_path is not None:
                 self._trace_step(start, now, stats)
             if time.monotonic() >= self.next_health_check:
@@ -346,22 +380,50 @@ class EngineCore:
 
     # ----- commands ----------------------------------------------------------------------
 
-    def _take_commands(self, engine: CoreEngine) -> None:
-        commands = self.commands
-        while True:
-            try:
-                batch = commands.recv()
-            except (EOFError, OSError) as exc:
-                raise _Shutdown() from exc
-            for command in batch:
-                self._handle(engine, command)
-            if not commands.poll():
-                return
+    def _wait_commands(self, timeout: float) -> list[_Front]:
+        """The fronts with commands waiting (or a closed pipe), after up to ``timeout``."""
+        fronts = self.open_fronts
+        if len(fronts) == 1:  # one API process: a plain poll, the cheapest
+            return fronts if fronts[0].commands.poll(timeout) else []
+        ready = multiprocessing.connection.wait([f.commands for f in fronts], timeout)
+        return [f for f in fronts if f.commands in ready]
 
-    def _handle(self, engine: CoreEngine, command: Command) -> None:
+    def _take_commands(self, engine: CoreEngine, fronts: list[_Front]) -> None:
+        for front in fronts:
+            try:
+                while True:
+                    try:
+                        batch = front.commands.recv()
+                    except (EOFError, OSError) as exc:
+                        if front.index == 0:
+                            raise _Shutdown() from exc
+                        raise _FrontGone() from exc
+                    for command in batch:
+                        self._handle(engine, command, front)
+                    if not front.commands.poll():
+                        break
+            except _FrontGone:
+                self._drop_front(engine, front)
+
+    def _drop_front(self, engine: CoreEngine, front: _Front) -> None:
+        """An API process other than the first left: its requests are aborted (their last
+        rows go nowhere) and its pipes closed; the core serves the others on."""
+        if front not in self.open_fronts:
+            return
+        self.open_fronts.remove(front)
+        for connection in (front.commands, front.outputs):
+            connection.close()
+        orphans = [rid for rid, request in self.requests.items() if request.front == front.index]
+        if orphans:
+            engine.abort_request(orphans)
+        logger.info("API process %d left (%d request(s) aborted); %d still attached",
+                    front.index, len(orphans), len(self.open_fronts))  # fmt: skip
+
+    def _handle(self, engine: CoreEngine, command: Command, front: _Front | None = None) -> None:
+        front = front or self.fronts[0]
         if isinstance(command, AddRequest):
             request_id = command.request_id
-            self.num_adds += 1
+            front.num_adds += 1
             # Each step sends what is new (the server accumulates), whatever kind was asked;
             # the params are this process's own copy, unpickled from the command.
             params = command.params
@@ -374,9 +436,9 @@ class EngineCore:
                     request_id, command.prompt, params, arrival_time=command.arrival_time, **lora
                 )
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                self._send([AddRejected(request_id, type(exc).__name__, str(exc))])
+                self._send_to(front, [AddRejected(request_id, type(exc).__name__, str(exc))])
                 return
-            self.requests[request_id] = _CoreRequest(command.arrival_time)
+            self.requests[request_id] = _CoreRequest(command.arrival_time, front.index)
         elif isinstance(command, StopSequences):
             engine.stop_sequences(command.stops)
         elif isinstance(command, AbortRequests):
@@ -393,21 +455,21 @@ class EngineCore:
                 self._send([answer])
             else:  # waits for its graphs: answered once done (``_answer_live_change``)
                 self.live_change = (command.token, answer)
+        elif isinstance(command, FinishCounts):
+            finished = self.timings.finished
+            for reason, count in command.counts.items():
+                finished[reason] = finished.get(reason, 0) + count
         elif isinstance(command, Shutdown):
-            raise _Shutdown()
+            raise _Shutdown() if front.index == 0 else _FrontGone()
         else:
             logger.warning("unknown engine-core command %r", command)
 
     # ----- outputs -----------------------------------------------------------------------
 
-    def _rows(self, outputs: list[RequestOutput], now: float) -> OutputRows:
-        """Each request's new output since the last step, and its latencies."""
-        rows = OutputRows()
-        request_ids, indexes, token_ids = rows.request_ids, rows.indexes, rows.token_ids
-        logprobs, cumulative, finish_reasons = (
-            rows.logprobs, rows.cumulative_logprobs, rows.finish_reasons
-        )
-        stop_reasons = rows.stop_reasons
+    def _rows(self, outputs: list[RequestOutput], now: float) -> list[OutputRows]:
+        """Each request's new output since the last step, for each front (by its index),
+        and its latencies."""
+        by_front = [OutputRows() for _ in self.fronts]
         requests = self.requests
         timings = self.timings
         for output in outputs:
@@ -415,6 +477,10 @@ class EngineCore:
             request = requests.get(request_id)
             if request is None:
                 continue  # aborted, or the warm-up request
+            rows = by_front[request.front]
+            request_ids, indexes, token_ids = rows.request_ids, rows.indexes, rows.token_ids
+            logprobs, cumulative = rows.logprobs, rows.cumulative_logprobs
+            finish_reasons, stop_reasons = rows.finish_reasons, rows.stop_reasons
             num_new = 0
             for c in output.outputs:
                 request_ids.append(request_id)
@@ -440,26 +506,37 @@ class EngineCore:
             if output.finished:
                 del requests[request_id]
                 _add_finished(timings, request, output, now)
-        return rows
+        return by_front
 
     # ----- sending -----------------------------------------------------------------------
 
     def _send(self, messages: list[Message]) -> None:
+        """To every front."""
+        for front in list(self.open_fronts):
+            self._send_to(front, messages)
+
+    def _send_to(self, front: _Front, messages: list[Message]) -> None:
         try:
-            self.outputs.send(messages)
+            front.outputs.send(messages)
         except (BrokenPipeError, EOFError, OSError) as exc:
-            raise _Shutdown() from exc  # the server is gone
+            if front.index == 0:
+                raise _Shutdown() from exc  # the server is gone
+            if self.engine is not None:
+                self._drop_front(self.engine, front)
 
     def _send_stats(self, engine: CoreEngine) -> None:
         self.next_heartbeat = time.monotonic() + HEARTBEAT_S
         timings, self.timings = self.timings, StepTimings()
-        self._send([Heartbeat(engine.stats(), self.num_adds, timings or None)])
+        stats, timings = engine.stats(), timings or None
+        for front in list(self.open_fronts):
+            self._send_to(front, [Heartbeat(stats, front.num_adds, timings)])
 
     def _send_dead(self, reason: str) -> None:
-        try:
-            self.outputs.send([Dead(reason)])
-        except (OSError, EOFError):
-            pass
+        for front in self.open_fronts:
+            try:
+                front.outputs.send([Dead(reason)])
+            except (OSError, EOFError):
+                pass
 
 
 def _reconfigure(engine: CoreEngine, command: Reconfigure) -> Reconfigured | LiveChange:
@@ -512,7 +589,7 @@ def _warm_up(engine: CoreEngine) -> None:
     raise RuntimeError("warm-up request did not finish")
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Exit if the server process dies, even while a step is stuck (the loop notices a
     closed pipe by itself between steps)."""
     parent = multiprocessing.parent_process()
@@ -529,18 +606,21 @@ def _exit_with_parent() -> None:
 
 def run_engine_core(
     config: EngineConfig,
-    commands: multiprocessing.connection.Connection,
-    outputs: multiprocessing.connection.Connection,
+    commands: Connection,
+    outputs: Connection,
     engine_factory: EngineFactory = default_engine_factory,
     log_level: int = logging.INFO,
+    more_fronts: Sequence[tuple[Connection, Connection]] = (),
 ) -> None:
     """The engine-core process's entry point."""
     # Ctrl-C reaches the whole process group: the server drains and then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     logger.info("engine process %d started", os.getpid())
-    _exit_with_parent()
-    code = EngineCore(config, commands, outputs, engine_factory).run()
-    commands.close()
-    outputs.close()
+    exit_with_parent()
+    core = EngineCore(config, commands, outputs, engine_factory, more_fronts)
+    code = core.run()
+    for front in core.open_fronts:
+        front.commands.close()
+        front.outputs.close()
     sys.exit(code)

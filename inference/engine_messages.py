@@ -12,13 +12,18 @@ builtins pickle at a tuple's cost; a dataclass per row would cost several times 
 both sides of the pipe. Token ids only: the server makes the text (``inference/text_output.py``).
 
 server -> engine: ``AddRequest``, ``AbortRequests``, ``StopSequences``, ``RemoveLoRA``,
-``Reconfigure``, ``Shutdown``.
+``Reconfigure``, ``Shutdown``, ``FinishCounts``.
 engine -> server: ``Resolved`` (model folder found), ``Ready`` (loaded and warmed up),
 ``StepOutputs`` (one per step), ``Heartbeat`` (after idle commands, and every second when
 idle), ``AddRejected`` (a bad prompt), ``Reconfigured`` (a live change made or refused),
 ``Dead`` (fatal; the process exits right after).
-``num_adds`` counts the ``AddRequest``s the engine has taken: against what the server has
-sent, it tells the server how many requests the stats cannot see yet.
+``num_adds`` counts the ``AddRequest``s the engine has taken from that server process:
+against what it has sent, it tells the process how many requests the stats cannot see yet.
+
+With several API processes (``--api-server-count``) each has its own two pipes: its rows,
+``AddRejected`` and its own ``num_adds`` go to it alone; everything else (stats, timings,
+``Reconfigured``, ``Ready``, ``Dead``) goes to every one, so that each can answer
+``/metrics`` and ``/health`` for the whole engine.
 """
 
 from __future__ import annotations
@@ -142,7 +147,17 @@ class RemoveLoRA:
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:
-    pass
+    """From the first API process: stop the engine. From another (``--api-server-count``):
+    that process leaves; its requests still running are aborted."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinishCounts:
+    """Requests an API process saw finish, by final finish reason, when there are several
+    (``--api-server-count``): the engine adds them to the timings every process gets, so
+    that each one's ``/metrics`` counts every process's requests."""
+
+    counts: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +173,7 @@ class Reconfigure:
 
 Command: TypeAlias = (
     AddRequest | AbortRequests | StopSequences | RemoveLoRA | Reconfigure | Shutdown
+    | FinishCounts
 )
 
 

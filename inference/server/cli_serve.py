@@ -17,6 +17,13 @@ signal during the drain aborts everything at once.
 A failed engine (it died, reported a fatal error, or missed ``--engine-step-timeout``)
 cannot be recovered in place: the server then exits 1 within about a second, so that
 Kubernetes restarts the pod, as vLLM does.
+
+``--api-server-count N`` (vLLM's flag): N API processes accept on the one listening socket
+and share the engine process, so that parsing requests, rendering templates and writing
+streams spread over N cores. This process is the first: it launches the engine and the
+others, forwards its shutdown signal to them, waits for them to drain before it stops the
+engine, runs the admin API, and exits 1 should one of them die (the pod restarts, as it
+would for the engine). Any of them answers ``/metrics`` for the whole engine.
 """
 
 from __future__ import annotations
@@ -207,6 +214,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
+        "--api-server-count", type=int, default=1, metavar="N",
+        help="API processes sharing the port and the engine (default 1): more spread request "
+        "parsing and streaming over more cores, for many concurrent clients",
+    )
+    parser.add_argument(
         "--lora-modules", nargs="+", type=parse_lora_modules, action=LoRAModulesAction,
         default=[], metavar="MODULE",
         help="LoRA adapters served under model names (with --enable-lora): name=path, or "
@@ -250,6 +262,11 @@ def check_serve_args(args: argparse.Namespace) -> list[str]:
         errors.append("--ssl-keyfile and --ssl-certfile go together")
     if args.lora_modules and not args.enable_lora:
         errors.append("--lora-modules needs --enable-lora")
+    if args.api_server_count < 1:
+        errors.append("--api-server-count must be >= 1")
+    elif args.api_server_count > 1 and args.enable_lora:
+        errors.append("--api-server-count > 1 does not serve LoRA adapters yet (each API "
+                      "process would keep adapters of its own): drop --enable-lora or use 1")
     return errors
 
 
@@ -352,13 +369,20 @@ def _curl_example(scheme: str, host: str, port: int, model: str, api_key: str | 
     )
 
 
-def _watch_engine(engine, server, example: str) -> None:
+def _watch_engine(engine, server, example: str | None, fronts: _Fronts | None = None) -> None:
     """Announce readiness with a usable example; stop the server (exit 1) once the engine
-    has failed, whether loading or later."""
-    announced = False
+    has failed, whether loading or later, or another API process died."""
+    announced = example is None
     while not server.should_exit:
         if engine.failure is not None:
             logger.error("the engine failed (%s); exiting", engine.failure)
+            server.should_exit = True
+            return
+        dead = fronts.dead() if fronts is not None and not server.draining else []
+        if dead:
+            logger.error("API process %s exited unexpectedly (exit code %s); exiting",
+                         dead[0].pid, dead[0].exitcode)  # fmt: skip
+            fronts.failed = True
             server.should_exit = True
             return
         if engine.loaded and not announced:
@@ -436,8 +460,28 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_step_timeout_s=args.engine_step_timeout,
     )
     # The engine process starts loading the model now, while this process imports and
-    # builds the app and the HTTP server.
-    engine.launch()
+    # builds the app and the HTTP server (and the other API processes start).
+    front_ends = engine.launch(args.api_server_count)
+    fronts = _start_fronts(args, sock, front_ends, engine.engine_pid)
+    admin = _admin_server(args, engine, admin_sock, adapters) if admin_sock is not None else None
+    server = _make_server(_uvicorn_config(args, engine, metrics, names, options, adapters),
+                          engine, args.shutdown_grace_seconds, admin, fronts)  # fmt: skip
+    scheme = "https" if args.ssl_certfile else "http"
+    example = _curl_example(scheme, args.host, args.port, names[0], args.api_key)
+    threading.Thread(
+        target=_watch_engine, args=(engine, server, example, fronts), name="ready-watch",
+        daemon=True,
+    ).start()
+    _ignore_reraised_signals()
+    server.run(sockets=[sock])
+    code = 1 if engine.failure is not None or fronts.failed else 0
+    fronts.stop()
+    return code
+
+
+def _uvicorn_config(args: argparse.Namespace, engine, metrics, names: list[str],
+                    options: ServingOptions, adapters: ServedAdapters):  # fmt: skip
+    """The app of one API process, under uvicorn's settings."""
     import uvicorn
 
     from inference.server.app import CorsSettings, build_app
@@ -462,7 +506,7 @@ def run_serve(args: argparse.Namespace) -> int:
         root_path=args.root_path,
         adapters=adapters,
     )
-    uv_config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
         ssl_keyfile=args.ssl_keyfile,
@@ -473,18 +517,96 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    admin = _admin_server(args, engine, admin_sock, adapters) if admin_sock is not None else None
-    server = _make_server(uv_config, engine, args.shutdown_grace_seconds, admin)
-    scheme = "https" if args.ssl_certfile else "http"
-    example = _curl_example(scheme, args.host, args.port, names[0], args.api_key)
+
+
+class _Fronts:
+    """The other API processes (``--api-server-count``), as the first one sees them."""
+
+    def __init__(self, processes: list) -> None:
+        self.processes = processes
+        self.failed = False  # one exited while it should have been serving
+
+    def signal(self, sig: int) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def dead(self) -> list:
+        return [p for p in self.processes if p.exitcode is not None]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for all of them to exit; True if they have."""
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        return not any(process.is_alive() for process in self.processes)
+
+    def stop(self) -> None:
+        """After this process's server stopped: whoever is still running is stopped too."""
+        if self.wait(5.0):
+            return
+        self.signal(signal.SIGTERM)
+        if not self.wait(10.0):
+            self.signal(signal.SIGKILL)
+            self.wait(5.0)
+
+
+def _start_fronts(args: argparse.Namespace, sock: socket.socket, front_ends: list,
+                  engine_pid: int) -> _Fronts:  # fmt: skip
+    """The other API processes, each on the shared socket with its pipes to the engine."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for index, (commands, outputs) in enumerate(front_ends, start=1):
+        process = context.Process(
+            target=_serve_front, args=(args, sock, commands, outputs, engine_pid, index),
+            name=f"pagoda-api-{index}",
+        )  # fmt: skip
+        process.start()
+        commands.close()  # only that process holds its pipe ends now
+        outputs.close()
+        processes.append(process)
+    return _Fronts(processes)
+
+
+def _serve_front(args: argparse.Namespace, sock: socket.socket, commands, outputs,
+                 engine_pid: int, index: int) -> None:  # fmt: skip
+    """Another API process's entry point (``--api-server-count``): the same app, attached to
+    the first process's engine; it drains on SIGTERM (which the first forwards) and
+    leaves Ctrl-C to the first."""
+    from inference.async_engine import AsyncLLMEngine
+    from inference.engine_core import exit_with_parent
+    from inference.server.metrics import ServerMetrics
+
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s[api {index}]: %(message)s",
+    )
+    exit_with_parent()
+    sys.setswitchinterval(0.001)
+    names = served_names(args)
+    config = engine_config(args, names)
+    metrics = ServerMetrics(names[0])
+    engine = AsyncLLMEngine(
+        config,
+        max_queue_len=args.max_queue_len,
+        observer=metrics,
+        engine_step_timeout_s=args.engine_step_timeout,
+    )
+    engine.attach(commands, outputs, engine_pid)
+    uv_config = _uvicorn_config(args, engine, metrics, names, serving_options(args),
+                                served_adapters(args, config, names))  # fmt: skip
+    server = _make_server(uv_config, engine, args.shutdown_grace_seconds, ignore_sigint=True)
     threading.Thread(
-        target=_watch_engine, args=(engine, server, example), name="ready-watch", daemon=True
+        target=_watch_engine, args=(engine, server, None), name="engine-watch", daemon=True
     ).start()
     _ignore_reraised_signals()
     server.run(sockets=[sock])
-    if engine.failure is not None:
-        return 1
-    return 0
+    sys.exit(1 if engine.failure is not None else 0)
 
 
 def _ignore_reraised_signals() -> None:
@@ -517,12 +639,18 @@ def _admin_server(args: argparse.Namespace, engine, sock: socket.socket,
     return AdminServer(config), sock
 
 
-def _make_server(config, engine, grace_s: float, admin=None):
+def _make_server(config, engine, grace_s: float, admin=None, fronts: _Fronts | None = None,
+                 *, ignore_sigint: bool = False):  # fmt: skip
     """A uvicorn.Server that drains before it stops: on the first signal it keeps serving
     (new requests get 503) until the in-flight ones are done or the grace period is over,
     then exits; a second signal aborts what is left and exits at once. ``admin``: the admin
-    API's (server, socket), started and stopped with this one."""
+    API's (server, socket), started and stopped with this one. ``fronts``: the other API
+    processes, which get each signal too and which the drain waits for (the engine stops
+    after them). ``ignore_sigint``: another API process's, which Ctrl-C reaches with the
+    whole process group, but which stops on the first process's word (SIGTERM)."""
     import uvicorn
+
+    front_wait_s = grace_s + 15.0  # their drain, their abort flush, their exit
 
     class DrainingServer(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None
@@ -543,6 +671,10 @@ def _make_server(config, engine, grace_s: float, admin=None):
             await super().shutdown(sockets=sockets)
 
         def handle_exit(self, sig, frame) -> None:
+            if ignore_sigint and sig == signal.SIGINT:
+                return
+            if fronts is not None:
+                fronts.signal(signal.SIGTERM)
             loop = self.loop
             if self.draining or loop is None or not engine.loaded:
                 if self.draining and loop is not None:  # abort what is left, now
@@ -557,6 +689,8 @@ def _make_server(config, engine, grace_s: float, admin=None):
 
         async def _drain(self) -> None:
             await engine.drain(grace_s)
+            if fronts is not None and not await asyncio.to_thread(fronts.wait, front_wait_s):
+                logger.warning("API processes still running after %g s", front_wait_s)
             self.should_exit = True
 
     return DrainingServer(config)

@@ -89,7 +89,7 @@ def _through_server(folder: str, requests, lag: int, **kwargs):
         for _ in range(10_000):
             if not engine.has_unfinished_requests() and not pending:
                 break
-            rows = pickle.loads(pickle.dumps(core._rows(engine.step(), 1.0)))
+            rows = pickle.loads(pickle.dumps(core._rows(engine.step(), 1.0)[0]))
             outputs, stops = text.process(rows)
             for request_id, output in outputs.items():
                 assert request_id not in finished, "output after the request finished"

@@ -78,6 +78,9 @@ class _FakeEngine:
     def stop_sequences(self, stops) -> None:
         self.stopped.append(stops)
 
+    def stats(self) -> EngineStats:
+        return STATS
+
 
 def test_core_answers_each_command():
     received, sent = multiprocessing.Pipe(duplex=False)
@@ -91,7 +94,7 @@ def test_core_answers_each_command():
     assert engine.added == ["ok"] and engine.aborted == [["ok", "gone"]]
     assert engine.stopped == [[("ok", 0, "END")]]
     assert engine.kinds == [RequestOutputKind.DELTA]  # the core streams what is new
-    assert core.num_adds == 2 and list(core.requests) == ["ok"]
+    assert core.fronts[0].num_adds == 2 and list(core.requests) == ["ok"]
     assert core.requests["ok"].arrival == 1.0
     assert received.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
     with pytest.raises(_Shutdown):
@@ -107,11 +110,11 @@ def test_core_rows_carry_each_completions_news_and_the_prompt_tail_once():
     def output(finished: bool, *completions: CompletionOutput) -> RequestOutput:
         return RequestOutput("r", None, list(range(10)), list(completions), finished)
 
-    first = core._rows([output(False, CompletionOutput(0, "", [7], None, None, "length"))], 2.0)
+    first = core._rows([output(False, CompletionOutput(0, "", [7], None, None, "length"))], 2.0)[0]
     assert first.request_ids == ["r"] and first.token_ids == [[7]]
     assert first.finish_reasons == ["length"] and first.prompt_tails == {"r": [4, 5, 6, 7, 8, 9]}
     rows = core._rows([output(True, CompletionOutput(1, "", [8, 9], -1.5, [{8: None}, {9: None}],
-                                                     "stop", 9))], 3.0)  # fmt: skip
+                                                     "stop", 9))], 3.0)[0]  # fmt: skip
     assert (rows.request_ids, rows.indexes, rows.token_ids) == (["r"], [1], [[8, 9]])
     assert rows.cumulative_logprobs == [-1.5] and rows.stop_reasons == [9]
     assert rows.prompt_tails == {} and "r" not in core.requests
@@ -190,3 +193,53 @@ def test_core_answers_a_change_once_its_graphs_are_ready_and_refuses_one_meanwhi
         assert engine.scheduler.max_num_seqs == 4
     finally:
         engine.shutdown()
+
+
+def test_core_serves_two_api_processes_apart():
+    """``--api-server-count 2``: rows and rejections go to the process that added the
+    request, stats to both; the second leaving aborts its requests and the core serves on;
+    finish counts one process reports reach both."""
+    from inference.engine_core import _FrontGone
+    from inference.engine_messages import FinishCounts
+
+    fronts = []
+    for _ in range(2):
+        commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+        outputs_in, outputs_out = multiprocessing.Pipe(duplex=False)
+        fronts.append(((commands_in, outputs_out), (commands_out, outputs_in)))
+    (core0, (_, out0)), (core1, (cmd1, out1)) = fronts
+    core = EngineCore(EngineConfig.from_kwargs("unused"), *core0, more_fronts=[core1])
+    engine = core.engine = _FakeEngine()
+    params = SamplingParams(max_tokens=2)
+    core._handle(engine, AddRequest("a", [1, 2], params, 1.0), core.fronts[0])
+    core._handle(engine, AddRequest("b", [1, 2], params, 1.0), core.fronts[1])
+    core._handle(engine, AddRequest("bad", "", params, 2.0), core.fronts[1])
+    assert out1.recv() == [AddRejected("bad", "ValueError", "the prompt is empty")]
+    assert not out0.poll()
+    assert (core.fronts[0].num_adds, core.fronts[1].num_adds) == (1, 2)
+
+    def output(request_id: str) -> RequestOutput:
+        return RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "", [7], None, None,
+                                                                         None)], False)  # fmt: skip
+
+    rows = core._rows([output("a"), output("b")], 2.0)
+    assert rows[0].request_ids == ["a"] and rows[1].request_ids == ["b"]
+    core._handle(engine, FinishCounts({"stop": 2}), core.fronts[1])
+    core._send_stats(engine)
+    for out, num_adds in ((out0, 1), (out1, 2)):
+        (beat,) = out.recv()
+        assert isinstance(beat, Heartbeat) and beat.num_adds == num_adds
+        assert beat.timings.finished == {"stop": 2}
+    # The second process says goodbye: its request is aborted, the first one's runs on.
+    with pytest.raises(_FrontGone):
+        core._handle(engine, Shutdown(), core.fronts[1])
+    cmd1.send([AddRequest("c", [1], params, 3.0)])
+    cmd1.close()  # closed after a last command: that command is taken, then the EOF
+    ready = core._wait_commands(5.0)
+    assert core.fronts[1] in ready
+    core._take_commands(engine, ready)
+    assert engine.added == ["a", "b", "c"] and engine.aborted == [["b", "c"]]
+    assert core.open_fronts == [core.fronts[0]]
+    assert core._wait_commands(0.0) == []
+    core._send_stats(engine)  # only the first process hears from the core now
+    assert isinstance(out0.recv()[0], Heartbeat)
