@@ -13,16 +13,7 @@ fi
 PORT=8011
 # One CSV row per engine step (written when the server stops), for benchmarks.serve_trace.
 export PAGODA_STEP_TRACE="$OUT/serve_steps.csv"
-# PIN_ENGINE=1: the engine process gets one physical core to itself (CPU 0 and its hyper-
-# thread sibling) and everything else (API processes, clients) the other CPUs, so that the
-# engine's host time per step does not depend on what the scheduler puts beside it.
-RUN=()
-if [[ ${PIN_ENGINE:-0} == 1 ]]; then
-  ENGINE_CPUS=$(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)
-  OTHER_CPUS=$(python3 -c "import os; pin={int(c) for c in '$ENGINE_CPUS'.replace('-', ',').split(',')}; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - pin)))")
-  RUN=(taskset -c "$OTHER_CPUS"); echo "engine on CPUs $ENGINE_CPUS, the rest on $OTHER_CPUS"
-fi
-"${RUN[@]}" python3 -m inference.cli serve qwen2.5-1.5b --load-format dummy --host 127.0.0.1 --port $PORT \
+python3 -m inference.cli serve qwen2.5-1.5b --load-format dummy --host 127.0.0.1 --port $PORT \
   --disable-uvicorn-access-log --max-model-len 1024 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 180); do
@@ -30,15 +21,11 @@ for _ in $(seq 1 180); do
 done
 curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null || { tail -30 "$OUT/server.log"; kill $SERVER; exit 1; }
 grep -E "start-up by phase|KV cache" "$OUT/server.log" | tail -2
-if [[ ${PIN_ENGINE:-0} == 1 ]]; then
-  ENGINE_PID=$(grep -oE "engine process [0-9]+ started" "$OUT/server.log" | grep -oE "[0-9]+")
-  taskset -a -cp "$ENGINE_CPUS" "$ENGINE_PID" >/dev/null && echo "engine process $ENGINE_PID pinned"
-fi
 # The load comes from NUM_CLIENTS processes (one Python client tops out near 20k tok/s);
 # BURSTS > 1 repeats the burst of 512 at once, to show how stable that row is.
 runs="32 inf"; for i in $(seq 2 "${BURSTS:-1}"); do runs+=" inf_$i"; done
 for run in $runs; do
-  "${RUN[@]}" python3 -m inference.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 512 \
+  python3 -m inference.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 512 \
     --input-len 512 --output-len 128 --token-ids --request-rate "${run%%_*}" \
     --num-clients "${NUM_CLIENTS:-4}" \
     --save-detailed --output-json "$OUT/serve_qwen2.5-1.5b_rate${run}.json" 2>&1 | tail -14
