@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {pct(step_ms, 99):.2f} max {pct(step_ms, 100):.2f}; send ms p99 "
           f"{pct(send_ms, 99):.2f} max {pct(send_ms, 100):.2f}; "
           f"{sum(ms > 20 for ms in step_ms)} steps over 20 ms")
+    if steps and "cpu_ms" in steps[0]:  # the loop thread: computing, or waiting/preempted?
+        wall = sum(s["step_ms"] + s["send_ms"] for s in steps)
+        cpu = sum(s["cpu_ms"] for s in steps)
+        print(f"engine loop thread: CPU {cpu:.0f} ms of {wall:.0f} ms of steps "
+              f"({cpu / max(wall, 1e-9):.0%}); preempted {sum(s['preempted'] for s in steps):.0f} "
+              "times (involuntary context switches)")
     print(f"{'t (s)':>8} {'TTFT ms':>8} {'max gap':>8} | steps meanwhile: {'n':>4} "
           f"{'sum ms':>8} {'max ms':>7} {'max run':>7} {'max wait':>8}")
     requests.sort(key=lambda r: r["ttft_ms"], reverse=True)

@@ -35,6 +35,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import resource
 import signal
 import sys
 import threading
@@ -165,6 +166,12 @@ def _add_finished(
     timings.generation_tokens.append(request.num_generated)
 
 
+def _thread_usage() -> tuple[float, int]:
+    """This thread's CPU seconds and involuntary context switches so far."""
+    usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    return usage.ru_utime + usage.ru_stime, usage.ru_nivcsw
+
+
 def default_engine_factory(config: EngineConfig) -> CoreEngine:
     from inference.llm_engine import LLMEngine
 
@@ -234,7 +241,10 @@ class EngineCore:
         # output tokens) per step, when PAGODA_STEP_TRACE names a file: where a latency
         # tail comes from (a long step, a long send, a queue) without a profiler.
         self.trace_path = os.environ.get(STEP_TRACE_ENV) or None
+        # and, to tell a slow CPU from waiting: the loop thread's CPU time over step and send,
+        # and how often the kernel took the CPU from it meanwhile (involuntary switches).
         self.trace: list[tuple] = []
+        self.trace_usage = (0.0, 0)
         self.trace_totals: tuple[int, int] | None = None  # token counters before the step
         self.computed_tokens = 0  # the engine's computed_tokens_total after the last step
         # A live change waiting for its CUDA graphs, and the token its answer goes with: it
@@ -321,6 +331,8 @@ class EngineCore:
                     self._send_stats(engine)  # the heartbeat
                 continue
             start = time.time()
+            if self.trace_path is not None:
+                self.trace_usage = _thread_usage()
             outputs = engine.step()
             now = time.time()
             self._count_iteration_tokens(engine)
@@ -362,20 +374,23 @@ class EngineCore:
         totals = (stats.prompt_tokens_total, stats.generation_tokens_total)
         last = self.trace_totals or totals
         self.trace_totals = totals
+        cpu, switches = _thread_usage()
         self.trace.append((
             start, stepped - start, time.time() - stepped, stats.num_running, stats.num_waiting,
-            totals[0] - last[0], totals[1] - last[1],
+            totals[0] - last[0], totals[1] - last[1], cpu - self.trace_usage[0],
+            switches - self.trace_usage[1],
         ))  # fmt: skip
 
     def _write_trace(self) -> None:
         if not self.trace_path or not self.trace:
             return
-        header = "start_s,step_ms,send_ms,running,waiting,prompt_tokens,output_tokens\n"
+        header = ("start_s,step_ms,send_ms,running,waiting,prompt_tokens,output_tokens,cpu_ms,"
+                  "preempted\n")  # fmt: skip
         with open(self.trace_path, "w") as f:
             f.write(header)
-            for start, step, send, running, waiting, prompt, output in self.trace:
+            for start, step, send, running, waiting, prompt, output, cpu, switches in self.trace:
                 f.write(f"{start:.6f},{step * 1e3:.3f},{send * 1e3:.3f},{running},{waiting},"
-                        f"{prompt},{output}\n")  # fmt: skip
+                        f"{prompt},{output},{cpu * 1e3:.3f},{switches}\n")  # fmt: skip
         logger.info("step trace: %d steps written to %s", len(self.trace), self.trace_path)
 
     # ----- commands ----------------------------------------------------------------------
