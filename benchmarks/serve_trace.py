@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine loop thread: CPU {cpu:.0f} ms of {wall:.0f} ms of steps "
               f"({cpu / max(wall, 1e-9):.0%}); preempted {sum(s['preempted'] for s in steps):.0f} "
               "times (involuntary context switches)")
+    if steps and "device_wait_ms" in steps[0]:
+        wait = sum(s["device_wait_ms"] for s in steps)
+        print(f"of the steps' {sum(s['step_ms'] for s in steps):.0f} ms, {wait:.0f} ms waiting "
+              "for the device, the rest host work")
     print(f"{'t (s)':>8} {'TTFT ms':>8} {'max gap':>8} | steps meanwhile: {'n':>4} "
           f"{'sum ms':>8} {'max ms':>7} {'max run':>7} {'max wait':>8}")
     requests.sort(key=lambda r: r["ttft_ms"], reverse=True)

@@ -172,6 +172,10 @@ def _thread_usage() -> tuple[float, int]:
     return usage.ru_utime + usage.ru_stime, usage.ru_nivcsw
 
 
+def _device_wait(engine: CoreEngine | None) -> float:
+    return getattr(engine, "device_wait_s_total", 0.0)
+
+
 def default_engine_factory(config: EngineConfig) -> CoreEngine:
     from inference.llm_engine import LLMEngine
 
@@ -244,7 +248,8 @@ class EngineCore:
         # and, to tell a slow CPU from waiting: the loop thread's CPU time over step and send,
         # and how often the kernel took the CPU from it meanwhile (involuntary switches).
         self.trace: list[tuple] = []
-        self.trace_usage = (0.0, 0)
+        # and how long the step waited for the device (the rest of it is host work).
+        self.trace_usage = (0.0, 0, 0.0)
         self.trace_totals: tuple[int, int] | None = None  # token counters before the step
         self.computed_tokens = 0  # the engine's computed_tokens_total after the last step
         # A live change waiting for its CUDA graphs, and the token its answer goes with: it
@@ -332,7 +337,7 @@ class EngineCore:
                 continue
             start = time.time()
             if self.trace_path is not None:
-                self.trace_usage = _thread_usage()
+                self.trace_usage = (*_thread_usage(), _device_wait(engine))
             outputs = engine.step()
             now = time.time()
             self._count_iteration_tokens(engine)
@@ -375,22 +380,24 @@ class EngineCore:
         last = self.trace_totals or totals
         self.trace_totals = totals
         cpu, switches = _thread_usage()
+        cpu0, switches0, wait0 = self.trace_usage
         self.trace.append((
             start, stepped - start, time.time() - stepped, stats.num_running, stats.num_waiting,
-            totals[0] - last[0], totals[1] - last[1], cpu - self.trace_usage[0],
-            switches - self.trace_usage[1],
+            totals[0] - last[0], totals[1] - last[1], cpu - cpu0, switches - switches0,
+            _device_wait(self.engine) - wait0,
         ))  # fmt: skip
 
     def _write_trace(self) -> None:
         if not self.trace_path or not self.trace:
             return
         header = ("start_s,step_ms,send_ms,running,waiting,prompt_tokens,output_tokens,cpu_ms,"
-                  "preempted\n")  # fmt: skip
+                  "preempted,device_wait_ms\n")  # fmt: skip
         with open(self.trace_path, "w") as f:
             f.write(header)
-            for start, step, send, running, waiting, prompt, output, cpu, switches in self.trace:
+            for (start, step, send, running, waiting, prompt, output, cpu, switches,
+                 wait) in self.trace:  # fmt: skip
                 f.write(f"{start:.6f},{step * 1e3:.3f},{send * 1e3:.3f},{running},{waiting},"
-                        f"{prompt},{output},{cpu * 1e3:.3f},{switches}\n")  # fmt: skip
+                        f"{prompt},{output},{cpu * 1e3:.3f},{switches},{wait * 1e3:.3f}\n")  # fmt: skip
         logger.info("step trace: %d steps written to %s", len(self.trace), self.trace_path)
 
     # ----- commands ----------------------------------------------------------------------

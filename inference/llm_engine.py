@@ -92,12 +92,15 @@ class _LaunchedStep:
     void: set[int] = field(default_factory=set)
     _output: SamplerOutput | None = None
     _read: bool = False
+    wait_s = 0.0  # how long reading the result waited for the device (and the copy back)
 
     def result(self) -> SamplerOutput | None:
         """The step's sampled tokens, one per sampled sequence (waits for the device
         once)."""
         if not self._read:
+            started = time.perf_counter()
             self._output, self._read = self.handle.result(), True
+            self.wait_s = time.perf_counter() - started
             if self.split is not None and self._output is not None:
                 verified = self.split(self._output, void=self.void)
                 self._output, self.extra = verified.first, verified.extra
@@ -153,6 +156,9 @@ class LLMEngine:
         self._live_change: LiveChange | None = None
         self._next_seq_id = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix hits excluded)
+        # Seconds the host spent waiting for steps' results from the device: beside the
+        # steps' wall time, it splits them into device time and host time (the step trace).
+        self.device_wait_s_total = 0.0
         # Sequences with prompt positions still to score (prompt_logprobs): steps look for
         # prompt-logprob work only while there are any.
         self._unscored: set[Sequence] = set()
@@ -502,6 +508,7 @@ class LLMEngine:
         output processor take each one in (text, logprobs, stop conditions) and emit
         outputs; sequences that stopped leave the scheduler."""
         sampled = step.result()
+        self.device_wait_s_total += step.wait_s
         if sampled is None:
             return
         restored = self._restore_tentative(step) if step.tentative else []

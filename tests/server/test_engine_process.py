@@ -206,7 +206,8 @@ def test_step_trace_records_every_step(tiny_model, tmp_path, monkeypatch, capsys
     # The first request's tokens, then the bench's warm-up (8 + 4) and its 4 x (8 + 4).
     assert sum(columns[5]) == 4 + 5 * 8 and sum(columns[6]) == 6 + 5 * 4
     assert all(ms >= 0 for ms in columns[1])
-    assert header.split(",")[7:] == ["cpu_ms", "preempted"]
+    assert header.split(",")[7:] == ["cpu_ms", "preempted", "device_wait_ms"]
+    assert all(0 <= wait <= step + 1e-3 for wait, step in zip(columns[9], columns[1], strict=True))
     assert all(ms >= 0 for ms in columns[7]) and sum(columns[7]) > 0
     assert serve_trace.main([str(tmp_path / "bench.json"), str(trace)]) == 0
     out = capsys.readouterr().out
