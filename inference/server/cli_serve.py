@@ -407,9 +407,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from inference.async_engine import AsyncLLMEngine
-    from inference.server.metrics import ServerMetrics
-
     # A no-op when `pagoda`'s main has configured logging already.
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
@@ -452,13 +449,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"error: cannot listen on {args.host}:{args.admin_port} (--admin-port): "
                   f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
             return 1
-    metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine(
-        config,
-        max_queue_len=args.max_queue_len,
-        observer=metrics,
-        engine_step_timeout_s=args.engine_step_timeout,
-    )
+    engine, metrics = _engine_front(args, config, names)
     # The engine process starts loading the model now, while this process imports and
     # builds the app and the HTTP server (and the other API processes start).
     front_ends = engine.launch(args.api_server_count)
@@ -477,6 +468,22 @@ def run_serve(args: argparse.Namespace) -> int:
     code = 1 if engine.failure is not None or fronts.failed else 0
     fronts.stop()
     return code
+
+
+def _engine_front(args: argparse.Namespace, config: EngineConfig, names: list[str]):
+    """This API process's engine front and the metrics it reports to (the engine process
+    is launched or attached to after)."""
+    from inference.async_engine import AsyncLLMEngine
+    from inference.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(names[0])
+    engine = AsyncLLMEngine(
+        config,
+        max_queue_len=args.max_queue_len,
+        observer=metrics,
+        engine_step_timeout_s=args.engine_step_timeout,
+    )
+    return engine, metrics
 
 
 def _uvicorn_config(args: argparse.Namespace, engine, metrics, names: list[str],
@@ -578,9 +585,7 @@ def _serve_front(args: argparse.Namespace, sock: socket.socket, commands, output
     """Another API process's entry point (``--api-server-count``): the same app, attached to
     the first process's engine; it drains on SIGTERM (which the first forwards) and
     leaves Ctrl-C to the first."""
-    from inference.async_engine import AsyncLLMEngine
     from inference.engine_core import exit_with_parent
-    from inference.server.metrics import ServerMetrics
 
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
@@ -590,13 +595,7 @@ def _serve_front(args: argparse.Namespace, sock: socket.socket, commands, output
     sys.setswitchinterval(0.001)
     names = served_names(args)
     config = engine_config(args, names)
-    metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine(
-        config,
-        max_queue_len=args.max_queue_len,
-        observer=metrics,
-        engine_step_timeout_s=args.engine_step_timeout,
-    )
+    engine, metrics = _engine_front(args, config, names)
     engine.attach(commands, outputs, engine_pid)
     uv_config = _uvicorn_config(args, engine, metrics, names, serving_options(args),
                                 served_adapters(args, config, names))  # fmt: skip
