@@ -13,7 +13,13 @@ import threading
 import time
 
 import httpx
-from server_harness import child_pids, process_alive, start_subprocess_server, wait_until_gone
+from server_harness import (
+    child_pids,
+    free_port,
+    process_alive,
+    start_subprocess_server,
+    wait_until_gone,
+)
 
 SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)$',
                      re.M)  # fmt: skip
@@ -36,6 +42,14 @@ def _api_pids(server_pid: int, port: int) -> list[int]:
         if links & inodes:
             pids.append(pid)
     return pids
+
+
+def _engine_pid(server_pid: int, port: int) -> int:
+    """The engine process: the server's spawned child that does not hold the socket."""
+    fronts = set(_api_pids(server_pid, port))
+    (pid,) = [pid for pid in child_pids(server_pid) if pid not in fronts
+              and b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]  # fmt: skip
+    return pid
 
 
 def _metrics(base_url: str) -> str:
@@ -145,6 +159,38 @@ def test_an_api_process_dying_stops_the_server(tiny_model):
             proc.kill()
         output = proc.communicate(timeout=30)[0]
     assert "exited unexpectedly" in output, output[-3000:]
+
+
+def test_a_live_change_reaches_every_api_process_and_an_engine_death_stops_all(tiny_model):
+    admin_port = free_port()
+    proc, base_url = start_subprocess_server(
+        tiny_model, "--num-kv-blocks", "64", "--max-num-seqs", "8", "--api-server-count", "2",
+        "--admin-port", str(admin_port), "--admin-api-key", "admin-secret",
+    )  # fmt: skip
+    port = int(base_url.rsplit(":", 1)[1])
+    try:
+        reply = httpx.post(f"http://127.0.0.1:{admin_port}/admin/engine-config",
+                           headers={"Authorization": "Bearer admin-secret"},
+                           json={"max_num_seqs": 3}, timeout=60)  # fmt: skip
+        assert reply.status_code == 200 and reply.json()["status"] == "applied", reply.text
+        # Both processes' /metrics report the live value (the tuner reads either).
+        info = re.compile(r'^pagoda:engine_config_info\{[^}]*max_num_seqs="(\d+)"', re.M)
+        seen: dict[str, list[str]] = {}
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 or any(values != ["3"] for values in seen.values()):
+            assert time.monotonic() < deadline, f"engine_config_info by process: {seen}"
+            text = _metrics(base_url)
+            (start,) = START_TIME.findall(text)
+            seen[start] = info.findall(text)
+        # The engine dies: every API process fails its requests and exits; the server 1.
+        children = child_pids(proc.pid)
+        os.kill(_engine_pid(proc.pid, port), signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert all(wait_until_gone(pid, 15) for pid in children), "a process outlived us"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
 
 
 def test_api_server_count_flag_is_checked():
