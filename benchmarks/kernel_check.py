@@ -134,7 +134,7 @@ def record_check(name: str, err: float, tolerance: float, **info: Any) -> None:
 
 def check_attention(
     kind: str, batch: int, max_context: int, head_size: int, block_size: int, dtype: torch.dtype,
-    kv_fp8: bool = False,
+    kv_fp8: bool = False, **tiling: Any,
 ) -> None:  # fmt: skip
     num_heads, num_kv_heads = SHAPES["1.5B"] if head_size == 128 else (8, 2)
     inputs = attention_batch(
@@ -142,7 +142,8 @@ def check_attention(
         kv_fp8=kv_fp8,
     )  # fmt: skip
     scale = head_size**-0.5
-    out = paged_attention(**inputs, scale=scale, out=torch.full_like(inputs["q"], math.nan))
+    call = triton_attention.paged_attention if tiling else paged_attention
+    out = call(**inputs, scale=scale, out=torch.full_like(inputs["q"], math.nan), **tiling)
     # The truth reads the cache as stored: an FP8 cache dequantized exactly.
     truth_inputs = {key: value for key, value in inputs.items() if not key.endswith("_scale")}
     for name in ("k_cache", "v_cache") if kv_fp8 else ():
@@ -151,7 +152,7 @@ def check_attention(
     record_check(
         "paged_attention_fp8kv" if kv_fp8 else "paged_attention", err, TOLERANCE[dtype],
         kind=kind, batch=batch, ctx=max_context, head=head_size, block=block_size,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."), **tiling,
     )  # fmt: skip
 
 
@@ -520,6 +521,31 @@ def long_sweep() -> None:
             run_variant("prefill", (shape, batch, context), tiling)
 
 
+PER_HEAD_CASES = (("1.5B", 1, 8192), ("1.5B", 1, 32768), ("7B", 1, 32768), ("1.5B", 16, 512),
+                  ("7B", 8, 512))
+
+
+def per_head_sweep() -> None:
+    """Prefill tiles of the GQA group (padded to a power of two) against tiles of one query
+    head, at the large-tile sizes (steps of 4k+ tokens); the default and SDPA beside."""
+    for kind, batch, block_size in (("prefill", 3, 16), ("mixed", 9, 16), ("prefill", 4, 32)):
+        for dtype in (torch.bfloat16, torch.float32):
+            check_attention(kind, batch, 4096, 128, block_size, dtype, per_head=True)
+    check_attention("mixed", 9, 3000, 128, 16, torch.bfloat16, kv_fp8=True, per_head=True)
+    for shape, batch, context in PER_HEAD_CASES:
+        if out_of_time():
+            return
+        time_attention("prefill", shape, batch, context)
+        for per_head in (False, True):
+            for block_m, tile_n, num_warps, num_stages in (
+                (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                (256, 64, 8, 2),
+            ):  # fmt: skip
+                tiling = dict(block_m=block_m, tile_n=tile_n, num_warps=num_warps,
+                              num_stages=num_stages, num_segments=1, per_head=per_head)
+                run_variant("prefill", (shape, batch, context), tiling)
+
+
 def correctness(quick: bool) -> None:
     random.seed(0)
     torch.manual_seed(0)
@@ -585,13 +611,17 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--long", action="store_true", help="long-context timings and sweep")
     parser.add_argument("--compare-with", help="another attention.py to time beside (--long)")
+    parser.add_argument("--per-head", action="store_true",
+                        help="prefill tiles of one query head against the GQA group's only")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     props = torch.cuda.get_device_properties(0)
     results["env"] = {"device": props.name, "sms": props.multi_processor_count,
                       "torch": torch.__version__, "triton": triton.__version__}  # fmt: skip
     print(results["env"])
-    if args.long:
+    if args.per_head:
+        later = (per_head_sweep,)
+    elif args.long:
         later = (lambda: long_timings(args.compare_with), *(() if args.no_sweep else (long_sweep,)))
     else:
         later = (timings, *(() if args.no_sweep else (sweep,)))

@@ -2,8 +2,11 @@
 
 A program owns a *query block*: ``BLOCK_Q`` consecutive query tokens of one sequence times
 the ``GROUP`` query heads that share one KV head (GQA), flattened into ``BLOCK_M`` rows so
-that one ``tl.dot`` serves the whole group and every K/V tile is read once per group. It
-walks the sequence's KV tiles through the block table with an online softmax (flash
+that one ``tl.dot`` serves the whole group and every K/V tile is read once per group. A
+group that is not a power of two pads its rows (6 heads in 8 rows: a quarter of every MMA
+is padding), so long prefills may instead take ``BLOCK_M`` tokens of one query head a
+program (``Tiling.per_head``, as FlashAttention does): no padding, and the group's K/V
+tiles read once per head, mostly from L2. It walks the sequence's KV tiles through the block table with an online softmax (flash
 attention), stopping at the block's causal limit.
 
 Query blocks are numbered without a host sync: sequence ``b`` owns blocks starting at
@@ -37,6 +40,8 @@ from pagoda_kernels._triton.pdl import launch_pdl, wait_for_inputs
 # split costs more traffic than the occupancy it buys.
 _MAX_PARTIAL_BYTES = 256 * 1024 * 1024
 _MAX_SEGMENTS = 64
+# Large prefill tiles (``_large_query_tiles``) one query head a program (``Tiling.per_head``).
+_PER_HEAD_LARGE_TILES = False
 
 
 @triton.jit
@@ -139,14 +144,15 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs()
     q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_block = tl.program_id(1)  # HEADS query heads: a KV head's group, or one head
+    kv_head = head_block * HEADS // GROUP
     segment = tl.program_id(2)
 
     if BLOCK_Q == 1:
@@ -169,10 +175,10 @@ def _paged_attention_kernel(
     context_len = tl.load(seq_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
-    q_local = local_block * BLOCK_Q + rows // GROUP_PAD
-    head_in_group = rows % GROUP_PAD
-    head = kv_head * GROUP + head_in_group
-    row_valid = (rows // GROUP_PAD < BLOCK_Q) & (q_local < q_len) & (head_in_group < GROUP)
+    q_local = local_block * BLOCK_Q + rows // HEADS_PAD
+    head_in_block = rows % HEADS_PAD
+    head = head_block * HEADS + head_in_block
+    row_valid = (rows // HEADS_PAD < BLOCK_Q) & (q_local < q_len) & (head_in_block < HEADS)
     q_pos = context_len - q_len + q_local
     token = (q_start + q_local).to(tl.int64)
     dims = tl.arange(0, HEAD_PAD)
@@ -312,11 +318,12 @@ class Tiling:
     Triton compiles one variant per distinct tiling."""
 
     block_q: int  # query tokens per program (1: decode tiling)
-    block_m: int  # rows per program: block_q tokens x the padded GQA group
+    block_m: int  # rows per program: block_q tokens x the padded GQA group (or x 1)
     tile_n: int  # keys per inner step
     num_segments: int  # splits of the KV range (flash-decoding), a power of two
     num_warps: int
     num_stages: int
+    per_head: bool = False  # a program serves one query head, not its KV head's group
 
 
 def _large_query_tiles(num_tokens: int, head_size: int) -> bool:
@@ -331,7 +338,7 @@ def choose_tiling(
     num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
     max_query_len: int | None, device: torch.device, *, block_m: int | None = None,
     tile_n: int | None = None, num_segments: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, per_head: bool | None = None,
 ) -> Tiling:  # fmt: skip
     """The tiling ``paged_attention`` launches for a step of this shape; the keyword
     arguments override the heuristics (benchmarks and tests use them)."""
@@ -342,6 +349,11 @@ def choose_tiling(
     # tilings are exact for every input; the choice only affects speed.
     decode = max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs)
     large = block_m is None and not decode and _large_query_tiles(num_tokens, head_size)
+    if per_head is None:
+        per_head = large and _PER_HEAD_LARGE_TILES
+    per_head = per_head and not decode
+    if per_head:
+        group_pad = 1
     if decode and block_m is None:
         block_q = 1
         block_m = max(16, group_pad)
@@ -361,12 +373,13 @@ def choose_tiling(
         working_seqs = min(num_seqs, num_tokens)
         num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + working_seqs
         partial = num_tokens * num_heads * (head_pad + 2) * 4
-        num_segments = _num_segments(num_q_blocks * num_kv_heads, partial, device)
+        head_blocks = num_heads if per_head else num_kv_heads
+        num_segments = _num_segments(num_q_blocks * head_blocks, partial, device)
     # Decode streams K/V once: two stages measured ~2% faster than three (fewer shared
     # memory buffers, more resident programs); smaller prefill tiles keep three.
     num_stages = num_stages or (2 if block_q == 1 or large else 3)
     num_warps = num_warps or (8 if large else 4)
-    return Tiling(block_q, block_m, tile_n, num_segments, num_warps, num_stages)
+    return Tiling(block_q, block_m, tile_n, num_segments, num_warps, num_stages, per_head)
 
 
 def tilings(
@@ -388,7 +401,8 @@ def tilings(
                              device, num_segments=1)  # fmt: skip
         # The most segments a step with this tiling can split into: its fewest programs.
         fewest_programs = (1 if base.block_q == 1 else num_tokens // base.block_q + 1)
-        most = _num_segments(fewest_programs * num_kv_heads, 0, device)
+        head_blocks = num_heads if base.per_head else num_kv_heads
+        most = _num_segments(fewest_programs * head_blocks, 0, device)
         segments = 1
         while segments <= most:
             found.append(replace(base, num_segments=segments))
@@ -439,6 +453,7 @@ def paged_attention(
     num_segments: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    per_head: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.attention.paged_attention_ref``. The keyword-only
     arguments override the tiling heuristics (benchmarks and tests use them)."""
@@ -456,7 +471,7 @@ def paged_attention(
     tiling = choose_tiling(
         num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_query_len, q.device,
         block_m=block_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, per_head=per_head,
     )
     _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, k_scale,
             v_scale, tiling)  # fmt: skip
@@ -470,7 +485,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    heads = 1 if tiling.per_head else group
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_q, num_segments = tiling.block_q, tiling.num_segments
     num_q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
@@ -486,7 +501,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         part_acc = part_max = part_sum = out  # never touched
 
     log2e = 1.4426950408889634
-    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+    _paged_attention_kernel[(num_q_blocks, num_heads // heads, num_segments)](
         q, k_cache, v_cache, out, k_scale, v_scale,
         part_acc, part_max, part_sum,
         block_tables, seq_lens, query_start_loc,
@@ -496,7 +511,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        GROUP=group, GROUP_PAD=group_pad,
+        GROUP=group, HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads),
         BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE_N=tiling.tile_n,
         BLOCK_SIZE=block_size, NUM_SEGMENTS=num_segments,
         FP32_DOT=q.dtype == torch.float32, KV_FP8=kv_fp8,

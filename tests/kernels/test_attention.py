@@ -119,6 +119,25 @@ def test_whole_tiles_then_the_diagonal(num_segments: int, tile_n: int, block_m: 
     check(batch, torch.float32, num_segments=num_segments, block_m=block_m, tile_n=tile_n)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_segments", "dtype"),
+                         [(6, 2, 1, torch.float32), (7, 1, 2, torch.float32),
+                          (6, 2, 1, torch.bfloat16), (4, 4, 1, torch.float32)])  # fmt: skip
+def test_one_query_head_a_program(
+    num_heads: int, num_kv_heads: int, num_segments: int, dtype: torch.dtype
+) -> None:
+    """Prefill tiles of one query head (no padded GQA rows): groups of 6 and 7 (not powers
+    of two), no GQA, a split KV range, chunks starting mid-tile and a one-token query."""
+    from pagoda_kernels._triton import attention as triton_attention
+
+    tiling = triton_attention.choose_tiling(64, 4, num_heads, num_kv_heads, 64, None,
+                                            torch.device("cpu"), per_head=True)  # fmt: skip
+    assert tiling.per_head and tiling.block_q == tiling.block_m == 64
+    torch.manual_seed(num_heads * 10 + num_segments)
+    batch = make_batch([20, 37, 5, 1], [150, 37, 5, 77], num_heads, num_kv_heads, 64, 16, dtype)
+    check(batch, dtype, per_head=True, num_segments=num_segments, block_m=16, tile_n=16)
+    check(batch, dtype, per_head=True, num_segments=num_segments)
+
+
 def test_padding_tokens_and_hint() -> None:
     """Rows past the last sequence (CUDA-graph padding) are left alone; a hint changes
     only the tiling."""
