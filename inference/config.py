@@ -315,10 +315,14 @@ class EngineConfig:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         self.override_generation_dict()  # malformed JSON fails here, not at the first request
-        if self.speculative() is not None and self.tensor_parallel_size > 1:
+        speculative = self.speculative()
+        if (speculative is not None and speculative.method != "ngram"
+                and self.tensor_parallel_size > 1):
             raise ValueError(
-                "speculative_config with tensor_parallel_size > 1 is not supported yet: "
-                "speculative decoding runs on one GPU (or CPU)")
+                f"speculative_config method {speculative.method!r} with tensor_parallel_size "
+                "> 1 is not supported yet: the draft runs in the engine process, beside no "
+                "shard of the target; n-gram lookup (method 'ngram') runs at any "
+                "tensor_parallel_size")
         if self.speculative() is not None and self.enable_lora:
             raise ValueError(
                 "speculative_config with enable_lora is not supported yet: the draft and "

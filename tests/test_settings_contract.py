@@ -237,8 +237,10 @@ def test_speculative_methods_and_refusals_are_the_engines() -> None:
         "spec.engine.speculative.draftModel: required with method eagle"]
     assert errors({"speculative": {"method": "eagle3", "numSpeculativeTokens": 4}})
     assert errors({"tensorParallelSize": 2, "speculative": {
-        "method": "ngram", "numSpeculativeTokens": 4}}) == [
-        "spec.engine.speculative: speculative decoding runs with tensorParallelSize 1 only"]
+        "method": "ngram", "numSpeculativeTokens": 4}}) == []
+    assert errors({"tensorParallelSize": 2, "speculative": {
+        **eagle, "draftModel": "/models/eagle-head"}}) == [
+        "spec.engine.speculative: speculative decoding with tensorParallelSize > 1 runs method ngram only"]
     assert errors({"speculative": {**draft, "draftModel": "/d", "promptLookupMax": 3}})
 
 

@@ -195,6 +195,10 @@ class _Worker:
                 generator.manual_seed(new.seed)
             self.sequences[seq_id] = (new.params, generator)
         states = [self.sequences[seq_id] for seq_id in step.seq_ids]
+        drafts = step.sampling.draft_token_ids
+        if drafts is not None:  # a verify step: a row per position each sequence verifies
+            states = [state for state, row_drafts in zip(states, drafts, strict=True)
+                      for _ in range(len(row_drafts) + 1)]  # fmt: skip
         sampling = replace(
             step.sampling, params=[s[0] for s in states], generators=[s[1] for s in states]
         )

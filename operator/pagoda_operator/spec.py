@@ -297,8 +297,8 @@ def _speculative_errors(engine: dict[str, Any]) -> list[str]:
     k = speculative.get("numSpeculativeTokens")
     if not _is_int(k) or not 1 <= k <= 16:
         errors.append(f"{where}.numSpeculativeTokens: must be in 1..16 (got {k!r})")
-    if engine.get("tensorParallelSize") not in (None, 1):
-        errors.append(f"{where}: speculative decoding runs with tensorParallelSize 1 only")
+    if method != "ngram" and engine.get("tensorParallelSize") not in (None, 1):
+        errors.append(f"{where}: speculative decoding with tensorParallelSize > 1 runs method ngram only")
     lookup = [speculative.get("promptLookupMin"), speculative.get("promptLookupMax")]
     if method != "ngram" and any(v is not None for v in lookup):
         errors.append(f"{where}: promptLookupMin and promptLookupMax go with method ngram")

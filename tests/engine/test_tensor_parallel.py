@@ -314,3 +314,37 @@ def test_engine_refuses_unsplittable_model_before_loading(tmp_path):
         LLM(str(tmp_path), tensor_parallel_size=8, device="cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
         LLM(str(tmp_path), tensor_parallel_size=3, device="cpu")
+
+
+# -- speculative decoding --------------------------------------------------------------
+
+
+def test_ngram_speculation_matches_single_rank_plain_decoding(tmp_path):
+    """n-gram drafts are proposed in the engine process and verified by every rank: each
+    worker expands a sequence's sampling state to one row per position it verifies. On a
+    model that cycles (drafts accepted), greedy and seeded sampling with drafts over two
+    ranks give the single-rank engine's tokens without drafts (greedy) and with them
+    (seeded: the same draws, position by position, in the same scheduling mode)."""
+    from tiny_models import build_successor_model
+
+    cycle = {10: 11, 11: 12, 12: 13, 13: 14, 14: 10, 20: 21, 21: 22, 22: 20}
+    build_successor_model(tmp_path, cycle)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+             "prompt_lookup_min": 2}
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [20, 21, 22, 20, 21], [12, 13, 14, 10, 11] * 3]
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = [GREEDY, GREEDY, seeded]
+
+    def run(tp: int, **kwargs) -> tuple[list[list[int]], object]:
+        with LLM(str(tmp_path), tensor_parallel_size=tp, **ENGINE_ARGS, **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            counters = None if llm.engine.spec_decoder is None else llm.engine.spec_decoder.counters
+            return [o.outputs[0].token_ids for o in outs], counters
+
+    plain, _ = run(1)
+    for async_scheduling in (True, False):  # seeded draws differ between the two modes
+        single, _ = run(1, speculative_config=ngram, async_scheduling=async_scheduling)
+        tokens, counters = run(2, speculative_config=ngram, async_scheduling=async_scheduling)
+        assert tokens[:2] == plain[:2]
+        assert tokens == single
+        assert counters.num_accepted_tokens > counters.num_drafts > 0, counters

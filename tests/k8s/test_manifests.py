@@ -157,6 +157,18 @@ def test_invalid_samples_are_rejected_for_the_stated_reason(
     assert any(error.startswith(reason) for error in errors), f"expected {reason!r}, got {errors}"
 
 
+def test_ngram_speculation_passes_with_tensor_parallelism(crd: dict[str, Any]) -> None:
+    """Only the model-based methods need one GPU (the draft runs beside no shard): the
+    invalid sample with method ngram and no draft is valid."""
+    (sample,) = load_documents(
+        Path(__file__).parent / "data" / "invalid" / "speculative-with-tensor-parallel.yaml")
+    speculative = sample["spec"]["engine"]["speculative"]
+    assert validation_errors(crd, sample)
+    del speculative["draftModel"]
+    speculative["method"] = "ngram"
+    assert validation_errors(crd, sample) == []
+
+
 def test_there_are_enough_invalid_samples() -> None:
     assert len(INVALID_SAMPLES) >= 15
 
