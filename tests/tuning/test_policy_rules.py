@@ -391,6 +391,76 @@ def test_scale_down_by_measured_rate_keeps_what_the_load_needs() -> None:
     assert "would run at 50% of their saturated rate" in decision.reason
 
 
+def measured_slot_bound(
+    run: Run, seqs: int, kv_cache_usage: float = 0.2, itl_s: float | None = 0.012
+) -> Run:
+    """``run`` with a saturated rate of 10 req/s an engine measured at ``maxNumSeqs``
+    ``seqs``, every engine running 62 of its 64 slots (the slots were the limit)."""
+    run.state = {"capacity": {
+        "requestsPerPod": 10.0, "promptTokensPerRequest": 0.0, "time": run.now,
+        "maxNumSeqs": seqs, "requestsRunningPerPod": 62.0, "itlP95Seconds": itl_s,
+        "kvCacheUsage": kv_cache_usage,
+    }}  # fmt: skip
+    return run
+
+
+# 3 engines at 14 req/s, 10 sequences each, the decode step 8 ms: on 2 engines, 7 req/s each.
+QUIET_ON_3 = window(pods=3, requests_running=30.0, ttft_p95_s=0.1, requests_per_s=14.0,
+                    itl_p95_s=0.008, kv_cache_usage=0.1)  # fmt: skip
+LIVE_TO_128 = limits(bounds={**limits().bounds, MAX_NUM_SEQS: (8, 128)}, engine_knobs_live=True)
+
+
+def test_the_saturated_rate_follows_a_raise_of_slot_bound_engines() -> None:
+    # Measured at 64 slots, 62 of them busy, a 12 ms step; then maxNumSeqs went to 128
+    # (a kept live raise). This window's 10 sequences at 8 ms fit the step: 7.2 ms +
+    # 77 us a sequence, so 124 sequences take 16.8 ms a step, and an engine serves 43 %
+    # more: 14.3 req/s, not twice the 10 (the step grows with the batch) nor the 10.
+    run = measured_slot_bound(Run(settings(replicas=3, seqs=128), LIVE_TO_128), seqs=64)
+    decision = run.until_change(QUIET_ON_3)
+    # 7 req/s an engine on 2 is 49 % of 14.3: one goes (70 % of the 10 measured would not).
+    assert (decision.knob, decision.old, decision.new) == (REPLICAS, 3, 2)
+    assert "would run at 49% of their saturated rate" in decision.reason
+    # At 64, as measured, the same window keeps all three.
+    run = measured_slot_bound(Run(settings(replicas=3, seqs=64), LIVE_TO_128), seqs=64)
+    assert all(run.step(QUIET_ON_3).action == "hold" for _ in range(10))
+
+
+def test_the_saturated_rate_of_an_engine_the_cache_limited_does_not_follow_a_raise() -> None:
+    # The same, but the cache was half full at 62 sequences: 124 would fill it, so the
+    # cache, not the slots, is the limit and the rate measured stands (70 %: all stay).
+    run = measured_slot_bound(
+        Run(settings(replicas=3, seqs=128), LIVE_TO_128), seqs=64, kv_cache_usage=0.5
+    )
+    assert all(run.step(QUIET_ON_3).action == "hold" for _ in range(10))
+    # And without a second point to fit the step (no ITL measured then), it stands too.
+    run = measured_slot_bound(Run(settings(replicas=3, seqs=128), LIVE_TO_128), seqs=64, itl_s=None)
+    assert all(run.step(QUIET_ON_3).action == "hold" for _ in range(10))
+
+
+def test_the_saturated_rate_falls_with_a_cut_of_slot_bound_engines() -> None:
+    # Measured at 64 slots, now 48: at least 48/64 of it, 7.5 req/s an engine; 3 engines
+    # at 17 req/s (on 2: 8.5 each, 85 % of 10) stay, as they would at 64 anyway, and near
+    # the 7.5 the engines are busy: one more comes before a queue forms.
+    run = measured_slot_bound(Run(settings(replicas=3, seqs=48), limits()), seqs=64)
+    near = dataclasses.replace(QUIET_ON_3, requests_per_s=21.0)  # 7 req/s an engine: 93 %
+    decision = run.until_change(near)
+    assert (decision.knob, decision.new) == (REPLICAS, 4)
+    assert "93% of the engines' saturated rate" in decision.reason
+
+
+def test_a_saturated_window_at_the_new_max_num_seqs_replaces_the_estimate() -> None:
+    run = measured_slot_bound(Run(settings(replicas=2, seqs=128), LIVE_TO_128), seqs=64)
+    run.state = {**(run.state or {}), "streaks": {"queued": 1}}
+    # Saturated at 128: 11 req/s an engine, measured; the 14 the raise was estimated at
+    # (by this window's step) is not kept as the best seen.
+    run.step(dataclasses.replace(QUEUED_WITH_FULL_KV, requests_per_s=22.0,
+                                 queue_growth_per_s=0.5))  # fmt: skip
+    assert run.state is not None
+    capacity = run.state["capacity"]
+    assert (capacity["requestsPerPod"], capacity["maxNumSeqs"]) == (11.0, 128)
+    assert capacity["requestsRunningPerPod"] == 50.0 and capacity["kvCacheUsage"] == 0.8
+
+
 def test_idle_removes_one_replica_after_a_longer_streak() -> None:
     run = measured(Run(settings(replicas=3), limits()), 10.0)
     for _ in range(3):

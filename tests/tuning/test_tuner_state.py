@@ -61,3 +61,14 @@ def test_a_first_window_starts_from_nothing() -> None:
     assert empty["streaks"] == dict.fromkeys(STORED["streaks"], 0)
     assert empty["lastMove"] == {} and empty["rejected"] == []
     assert set(empty) == set(STORED)
+
+
+def test_a_saturated_rate_with_what_its_window_showed_round_trips() -> None:
+    # Written since the rate follows a change of maxNumSeqs (capacity.at_max_num_seqs); a
+    # state without these keys (STORED's) reads and writes back without them.
+    stored = copy.deepcopy(STORED)
+    stored["capacity"] |= {"maxNumSeqs": 256, "requestsRunningPerPod": 237.2,
+                           "itlP95Seconds": 0.0191, "kvCacheUsage": 0.07}  # fmt: skip
+    state = TunerState.from_status(stored)
+    assert state.capacity is not None and state.capacity.max_num_seqs == 256
+    assert state.to_status() == stored

@@ -105,6 +105,9 @@ class PolicyConfig:
     busy_utilization: float = 0.92  # demand per engine, of its saturated rate: scale up early
     capacity_memory_cooldowns: float = 30.0  # how long a measured saturated rate is trusted
     prompt_shift_ratio: float = 2.0  # prompts this much longer or shorter void a measured rate
+    # Batches of the saturated window and a later one at least this far apart (a share of
+    # the first) fit the decode step that carries its rate to a new maxNumSeqs.
+    step_fit_spread: float = 0.25
     scale_up_utilization: float = 0.85  # share of an engine's saturated rate to plan for
     max_scale_up_factor: float = 3.0
     windows_up: int = 2

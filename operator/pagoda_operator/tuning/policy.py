@@ -132,9 +132,10 @@ def _observed(
         # Only a window in which every engine served throughout says what one can do: none
         # while a change rolls out, but the full window after it that judges it does.
         state.capacity = engine_capacity.updated(
-            state.capacity, snapshot, state.streaks.queued, now, limits, config
-        )
-    capacity = engine_capacity.usable(state.capacity, snapshot, config)
+            state.capacity, snapshot, state.streaks.queued, now, limits, config,
+            settings.get(MAX_NUM_SEQS),
+        )  # fmt: skip
+    capacity = engine_capacity.usable(state.capacity, snapshot, config, settings.get(MAX_NUM_SEQS))
     kv_next = projected_kv(snapshot, state.last_kv_usage)
     state.last_kv_usage = snapshot.kv_cache_usage
     state.streaks = updated_streaks(state.streaks, snapshot, limits, capacity, kv_next, config)

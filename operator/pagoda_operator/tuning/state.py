@@ -40,24 +40,49 @@ class Streaks:
 
 @dataclass
 class Capacity:
-    """Requests/s one engine served in the last window it was saturated (``capacity``)."""
+    """Requests/s one engine served in the last window it was saturated (``capacity``),
+    and what that window showed of why: the ``maxNumSeqs`` it ran, the sequences each
+    engine ran, its ITL p95 (a decode step) and its KV cache usage. A state written before
+    those were kept lacks them (None), and its rate then holds for any ``maxNumSeqs``."""
 
     requests_per_pod: float
     prompt_tokens_per_request: float
     time: float
+    max_num_seqs: float | None = None
+    running_per_pod: float | None = None
+    itl_s: float | None = None
+    kv_cache_usage: float | None = None
 
     @classmethod
     def from_status(cls, data: dict[str, Any] | None) -> Capacity | None:
         if not data:
             return None
-        return cls(data["requestsPerPod"], data.get("promptTokensPerRequest") or 0.0, data["time"])
+        return cls(
+            data["requestsPerPod"],
+            data.get("promptTokensPerRequest") or 0.0,
+            data["time"],
+            **{name: data.get(key) for name, key in _MEASURED.items()},
+        )
 
     def to_status(self) -> dict[str, Any]:
-        return {
+        data = {
             "requestsPerPod": self.requests_per_pod,
             "promptTokensPerRequest": self.prompt_tokens_per_request,
             "time": self.time,
         }
+        # Only where measured: a state written without them round-trips unchanged.
+        for name, key in _MEASURED.items():
+            if getattr(self, name) is not None:
+                data[key] = getattr(self, name)
+        return data
+
+
+_MEASURED = {  # Capacity's fields of the window measured -> their keys in the status
+    "max_num_seqs": "maxNumSeqs",
+    "running_per_pod": "requestsRunningPerPod",
+    "itl_s": "itlP95Seconds",
+    "kv_cache_usage": "kvCacheUsage",
+}
 
 
 @dataclass
