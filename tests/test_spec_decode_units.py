@@ -186,6 +186,48 @@ def test_a_sequence_whose_drafts_keep_failing_backs_off():
     assert (counters.num_drafts, counters.num_accepted_tokens) == (3, 0)
 
 
+def _verify(decoder: SpecDecoder, seq: Sequence, accept: bool) -> None:
+    """Propose for ``seq`` (it must draft) and read back a verify that accepted all its
+    drafts or none."""
+    from inference.sampler import SamplerOutput
+
+    decoder.propose([seq])
+    drafts = list(seq.draft_token_ids)
+    assert drafts
+    picks = (drafts if accept else [d + 100 for d in drafts]) + [0]
+    decoder.split(SamplerOutput(picks, [None] * len(picks)), [seq], [drafts])
+
+
+def test_pipelined_a_sequence_that_never_accepted_backs_off_at_its_first_failure():
+    """Pipelined, each failed verify also voids the step after it: a sequence with no draft
+    accepted since it started (or resumed) backs off after one failure, one that has
+    accepted after three in a row, as unpipelined."""
+    decoder = SpecDecoder(parse_speculative_config(NGRAM), pipelined=True)
+    fresh = _decoding_seq(0, [1, 2, 3, 4, 1, 2, 3])
+    _verify(decoder, fresh, accept=False)
+    for _ in range(7):
+        decoder.propose([fresh])
+        assert fresh.draft_token_ids == []
+    _verify(decoder, fresh, accept=False)  # resumed after 8 steps; failed again: 16 now
+    for _ in range(15):
+        decoder.propose([fresh])
+        assert fresh.draft_token_ids == []
+    decoder.propose([fresh])
+    assert fresh.draft_token_ids
+
+    copying = _decoding_seq(1, [1, 2, 3, 4, 1, 2, 3])
+    _verify(decoder, copying, accept=True)
+    for _ in range(3):
+        _verify(decoder, copying, accept=False)  # drafts after the first and second
+    decoder.propose([copying])
+    assert copying.draft_token_ids == []
+    for _ in range(7):
+        decoder.propose([copying])
+    _verify(decoder, copying, accept=False)  # resumed: nothing accepted since, one failure
+    decoder.propose([copying])
+    assert copying.draft_token_ids == []
+
+
 def _chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
     """Pearson's test, bins of small expectation merged; p from the regularised upper
     incomplete gamma function (torch, so no SciPy)."""

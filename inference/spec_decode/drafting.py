@@ -16,6 +16,16 @@ non-speculative decoding would produce and where drafting is likely to pay:
 - its drafts have not kept failing: after ``_MAX_FAILED_STEPS`` verified steps in a row
   that accepted nothing, a sequence stops drafting for ``_BACKOFF_STEPS`` steps (doubling
   while it keeps failing), so free-form text does not pay for k wasted positions a step.
+  Pipelined, a failure costs a step too: step n + 1 is proposed and launched while step n
+  is in flight (step n - 1's result known), so a failure of step n is read only after
+  n + 1 went out on the guess that its drafts held, and the sequence's row in n + 1 is
+  voided (two steps for one token). A sequence none of whose drafts has been accepted
+  since it started drafting (or since its last back-off) therefore backs off after one
+  such verify, from the step after it (n + 2, the first proposed with the failure
+  known): one voided step per back-off, not ``_MAX_FAILED_STEPS``. Once a verify accepted
+  a draft the sequence is taken to copy, and backs off only after ``_MAX_FAILED_STEPS``
+  failures in a row as unpipelined (a copying sequence that misses now and then keeps
+  drafting every step).
 
 ``SpecDecoder.split`` turns a verified step's samples (one per position) back into one
 first token per sampled sequence (what the rest of the step loop expects) plus the
@@ -45,6 +55,8 @@ _MAX_BACKOFF_STEPS = 256
 class _DraftState:
     history: TokenHistory = field(default_factory=TokenHistory)
     failed_steps: int = 0  # verified steps in a row that accepted nothing
+    # A verify accepted a draft since the sequence started drafting or last backed off.
+    accepted_since_resume: bool = False
     backoff: int = _BACKOFF_STEPS
     resume_at_step: int = 0
 
@@ -198,18 +210,22 @@ class SpecDecoder:
         return VerifiedTokens(first, extra)
 
     def _track(self, seq: Sequence, num_accepted: int) -> None:
-        """The acceptance tracker: back off a sequence whose drafts keep failing."""
+        """The acceptance tracker: back off a sequence whose drafts keep failing (pipelined,
+        one that has not accepted any since it resumed, at its first failure)."""
         state = self._states.get(seq)
         if state is None:
             return
         if num_accepted:
             state.failed_steps, state.backoff = 0, _BACKOFF_STEPS
+            state.accepted_since_resume = True
             return
         state.failed_steps += 1
-        if state.failed_steps >= _MAX_FAILED_STEPS:
+        patient = state.accepted_since_resume or not self.pipelined
+        if state.failed_steps >= (_MAX_FAILED_STEPS if patient else 1):
             state.resume_at_step = self._step + state.backoff
             state.backoff = min(2 * state.backoff, _MAX_BACKOFF_STEPS)
             state.failed_steps = 0
+            state.accepted_since_resume = False
 
     def _count(self, num_accepted: int, num_drafts: int) -> None:
         counters = self.counters
