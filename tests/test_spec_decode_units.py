@@ -228,6 +228,32 @@ def test_pipelined_a_sequence_that_never_accepted_backs_off_at_its_first_failure
     assert copying.draft_token_ids == []
 
 
+def _tentatively_extended(seq: Sequence, drafts: list[int]) -> None:
+    """As the engine leaves a sequence whose drafts are in flight: taken as accepted,
+    pending, the token after them a placeholder."""
+    seq.token_ids.extend([*drafts, -1])
+    seq.num_pending_tokens += len(drafts) + 1
+    seq.num_computed_tokens += len(drafts) + 1
+
+
+def test_pipelined_a_sequence_that_backed_off_does_not_draft_on_its_drafts_in_flight():
+    """Those drafts likely fail, and the step built on them is voided then: a sequence
+    that backed off with nothing accepted since sits that step's drafting out; one that
+    has not backed off yet drafts on the guess."""
+    decoder = SpecDecoder(parse_speculative_config(NGRAM), pipelined=True)
+    fresh, resumed = (_decoding_seq(i, [1, 2, 3, 4, 1, 2, 3]) for i in (0, 1))
+    _verify(decoder, resumed, accept=False)  # backs off for 8 steps
+    for _ in range(7):
+        decoder.propose([resumed])
+    decoder.propose([fresh, resumed])
+    assert fresh.draft_token_ids == resumed.draft_token_ids == [4, 1, 2]
+    for seq in (fresh, resumed):
+        _tentatively_extended(seq, seq.draft_token_ids)
+    decoder.propose([fresh, resumed])
+    assert fresh.draft_token_ids  # guessing one token further
+    assert resumed.draft_token_ids == []
+
+
 def _chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
     """Pearson's test, bins of small expectation merged; p from the regularised upper
     incomplete gamma function (torch, so no SciPy)."""

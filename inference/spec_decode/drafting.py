@@ -25,7 +25,11 @@ non-speculative decoding would produce and where drafting is likely to pay:
   known): one voided step per back-off, not ``_MAX_FAILED_STEPS``. Once a verify accepted
   a draft the sequence is taken to copy, and backs off only after ``_MAX_FAILED_STEPS``
   failures in a row as unpipelined (a copying sequence that misses now and then keeps
-  drafting every step).
+  drafting every step). And a sequence that has backed off with nothing accepted since
+  does not draft while its drafts are in flight: that step's row is voided if they fail,
+  the likely case, drafts and all (it saves the k positions, not the step; a sequence
+  that has not backed off yet gets the benefit of the doubt, so copying from the first
+  step costs nothing).
 
 ``SpecDecoder.split`` turns a verified step's samples (one per position) back into one
 first token per sampled sequence (what the rest of the step loop expects) plus the
@@ -57,7 +61,7 @@ class _DraftState:
     failed_steps: int = 0  # verified steps in a row that accepted nothing
     # A verify accepted a draft since the sequence started drafting or last backed off.
     accepted_since_resume: bool = False
-    backoff: int = _BACKOFF_STEPS
+    backoff: int = _BACKOFF_STEPS  # above _BACKOFF_STEPS: backed off, none accepted since
     resume_at_step: int = 0
 
 
@@ -149,6 +153,10 @@ class SpecDecoder:
         if state is None:
             state = self._states[seq] = _DraftState()
         if self._step < state.resume_at_step:
+            return []
+        if self.pipelined and seq.num_pending_tokens > 1 and state.backoff > _BACKOFF_STEPS:
+            # Its drafts are in flight, taken as accepted (the tentative extension), and
+            # it has backed off with none accepted since: not on that guess.
             return []
         room = seq.num_prompt_tokens + seq.params.max_tokens - seq.num_tokens - 1
         if self.draft is not None:  # placeholders: the draft model fills them (``fill``)

@@ -434,13 +434,16 @@ def counting(tmp_path_factory):
     return str(path)
 
 
-def _steps_to_finish(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, list]:
-    engine, steps, outputs = llm.engine, 0, []
+def _steps_to_finish(llm: LLM, prompt: list[int], params: SamplingParams):
+    """Runs one request: (steps, steps launched with drafts, finished outputs)."""
+    engine, steps, drafting, outputs = llm.engine, 0, 0, []
     engine.add_request("r", prompt, params)
     while engine.has_unfinished_requests():
         outputs += engine.step()
         steps += 1
-    return steps, [o for o in outputs if o.finished]
+        launched = engine._in_flight
+        drafting += launched is not None and launched.drafts is not None
+    return steps, drafting, [o for o in outputs if o.finished]
 
 
 def test_pipelined_drafts_that_always_fail_cost_few_steps(counting):
@@ -454,15 +457,18 @@ def test_pipelined_drafts_that_always_fail_cost_few_steps(counting):
     prompt.append(100)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     settings = {"max_model_len": 256, "block_size": 4, "seed": 0, "num_kv_blocks": 100}
-    plain_steps, want = _steps_to_finish(LLM(counting, **settings), prompt, params)
+    plain_steps, _, want = _steps_to_finish(LLM(counting, **settings), prompt, params)
     spec = LLM(counting, speculative_config=NGRAM, **settings)
     assert spec.engine._pipelined_drafts
-    spec_steps, got = _steps_to_finish(spec, prompt, params)
+    spec_steps, drafting, got = _steps_to_finish(spec, prompt, params)
     assert _summary(got) == _summary(want)
     assert want[0].outputs[0].token_ids == list(range(101, 101 + num_tokens))
     counters = spec.engine.spec_decoder.counters
     assert counters.num_drafts > 0 and counters.num_accepted_tokens == 0, counters
     assert spec_steps <= plain_steps + 4, (spec_steps, plain_steps)
+    # Each back-off's failed verify was read after the next step went out on its guess;
+    # once the sequence has backed off, that voided step carries no drafts of its own.
+    assert drafting == counters.num_drafts + 1, (drafting, counters)
 
 
 def test_pipelined_drafts_that_hold_are_proposed_every_step(cycling):
@@ -472,7 +478,7 @@ def test_pipelined_drafts_that_hold_are_proposed_every_step(cycling):
     params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
     settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 100}
     spec = LLM(folder, speculative_config=NGRAM, **settings)
-    steps, got = _steps_to_finish(spec, [10, 11, 12, 13, 14] * 3, params)
+    steps, drafting, _ = _steps_to_finish(spec, [10, 11, 12, 13, 14] * 3, params)
     counters = spec.engine.spec_decoder.counters
     assert counters.num_accepted_tokens == counters.num_draft_tokens == 4 * 8, counters
-    assert counters.num_drafts == 8 and steps <= 8 + 3, (steps, counters)
+    assert counters.num_drafts == drafting == 8 and steps <= 8 + 3, (steps, counters)
