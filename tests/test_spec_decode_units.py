@@ -185,6 +185,74 @@ def test_a_sequence_whose_drafts_keep_failing_backs_off():
     assert (counters.num_drafts, counters.num_accepted_tokens) == (3, 0)
 
 
+def _verify(decoder: SpecDecoder, seq: Sequence, accept: bool) -> None:
+    """Propose for ``seq`` (it must draft) and read back a verify that accepted all its
+    drafts or none."""
+    from inference.sampler import SamplerOutput
+
+    decoder.propose([seq])
+    drafts = list(seq.draft_token_ids)
+    assert drafts
+    picks = (drafts if accept else [d + 100 for d in drafts]) + [0]
+    decoder.split(SamplerOutput(picks, [None] * len(picks)), [seq], [drafts])
+
+
+def test_pipelined_a_sequence_that_never_accepted_backs_off_at_its_first_failure():
+    """Pipelined, each failed verify also voids the step after it: a sequence with no draft
+    accepted since it started (or resumed) backs off after one failure, one that has
+    accepted after three in a row, as unpipelined."""
+    decoder = SpecDecoder(parse_speculative_config(NGRAM), pipelined=True)
+    fresh = _decoding_seq(0, [1, 2, 3, 4, 1, 2, 3])
+    _verify(decoder, fresh, accept=False)
+    for _ in range(7):
+        decoder.propose([fresh])
+        assert fresh.draft_token_ids == []
+    _verify(decoder, fresh, accept=False)  # resumed after 8 steps; failed again: 16 now
+    for _ in range(15):
+        decoder.propose([fresh])
+        assert fresh.draft_token_ids == []
+    decoder.propose([fresh])
+    assert fresh.draft_token_ids
+
+    copying = _decoding_seq(1, [1, 2, 3, 4, 1, 2, 3])
+    _verify(decoder, copying, accept=True)
+    for _ in range(3):
+        _verify(decoder, copying, accept=False)  # drafts after the first and second
+    decoder.propose([copying])
+    assert copying.draft_token_ids == []
+    for _ in range(7):
+        decoder.propose([copying])
+    _verify(decoder, copying, accept=False)  # resumed: nothing accepted since, one failure
+    decoder.propose([copying])
+    assert copying.draft_token_ids == []
+
+
+def _tentatively_extended(seq: Sequence, drafts: list[int]) -> None:
+    """As the engine leaves a sequence whose drafts are in flight: taken as accepted,
+    pending, the token after them a placeholder."""
+    seq.token_ids.extend([*drafts, -1])
+    seq.num_pending_tokens += len(drafts) + 1
+    seq.num_computed_tokens += len(drafts) + 1
+
+
+def test_pipelined_a_sequence_that_backed_off_does_not_draft_on_its_drafts_in_flight():
+    """Those drafts likely fail, and the step built on them is voided then: a sequence
+    that backed off with nothing accepted since sits that step's drafting out; one that
+    has not backed off yet drafts on the guess."""
+    decoder = SpecDecoder(parse_speculative_config(NGRAM), pipelined=True)
+    fresh, resumed = (_decoding_seq(i, [1, 2, 3, 4, 1, 2, 3]) for i in (0, 1))
+    _verify(decoder, resumed, accept=False)  # backs off for 8 steps
+    for _ in range(7):
+        decoder.propose([resumed])
+    decoder.propose([fresh, resumed])
+    assert fresh.draft_token_ids == resumed.draft_token_ids == [4, 1, 2]
+    for seq in (fresh, resumed):
+        _tentatively_extended(seq, seq.draft_token_ids)
+    decoder.propose([fresh, resumed])
+    assert fresh.draft_token_ids  # guessing one token further
+    assert resumed.draft_token_ids == []
+
+
 def _chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
     """Pearson's test, bins of small expectation merged; p from the regularised upper
     incomplete gamma function (torch, so no SciPy)."""

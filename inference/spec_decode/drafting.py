@@ -16,6 +16,20 @@ non-speculative decoding would produce and where drafting is likely to pay:
 - its drafts have not kept failing: after ``_MAX_FAILED_STEPS`` verified steps in a row
   that accepted nothing, a sequence stops drafting for ``_BACKOFF_STEPS`` steps (doubling
   while it keeps failing), so free-form text does not pay for k wasted positions a step.
+  Pipelined, a failure costs a step too: step n + 1 is proposed and launched while step n
+  is in flight (step n - 1's result known), so a failure of step n is read only after
+  n + 1 went out on the guess that its drafts held, and the sequence's row in n + 1 is
+  voided (two steps for one token). A sequence none of whose drafts has been accepted
+  since it started drafting (or since its last back-off) therefore backs off after one
+  such verify, from the step after it (n + 2, the first proposed with the failure
+  known): one voided step per back-off, not ``_MAX_FAILED_STEPS``. Once a verify accepted
+  a draft the sequence is taken to copy, and backs off only after ``_MAX_FAILED_STEPS``
+  failures in a row as unpipelined (a copying sequence that misses now and then keeps
+  drafting every step). And a sequence that has backed off with nothing accepted since
+  does not draft while its drafts are in flight: that step's row is voided if they fail,
+  the likely case, drafts and all (it saves the k positions, not the step; a sequence
+  that has not backed off yet gets the benefit of the doubt, so copying from the first
+  step costs nothing).
 
 ``SpecDecoder.split`` turns a verified step's samples (one per position) back into one
 first token per sampled sequence (what the rest of the step loop expects) plus the
@@ -45,7 +59,9 @@ _MAX_BACKOFF_STEPS = 256
 class _DraftState:
     history: TokenHistory = field(default_factory=TokenHistory)
     failed_steps: int = 0  # verified steps in a row that accepted nothing
-    backoff: int = _BACKOFF_STEPS
+    # A verify accepted a draft since the sequence started drafting or last backed off.
+    accepted_since_resume: bool = False
+    backoff: int = _BACKOFF_STEPS  # above _BACKOFF_STEPS: backed off, none accepted since
     resume_at_step: int = 0
 
 
@@ -138,6 +154,10 @@ class SpecDecoder:
             state = self._states[seq] = _DraftState()
         if self._step < state.resume_at_step:
             return []
+        if self.pipelined and seq.num_pending_tokens > 1 and state.backoff > _BACKOFF_STEPS:
+            # Its drafts are in flight, taken as accepted (the tentative extension), and
+            # it has backed off with none accepted since: not on that guess.
+            return []
         room = seq.num_prompt_tokens + seq.params.max_tokens - seq.num_tokens - 1
         if self.draft is not None:  # placeholders: the draft model fills them (``fill``)
             return [0] * max(0, min(room, self.config.num_speculative_tokens))
@@ -198,18 +218,22 @@ class SpecDecoder:
         return VerifiedTokens(first, extra)
 
     def _track(self, seq: Sequence, num_accepted: int) -> None:
-        """The acceptance tracker: back off a sequence whose drafts keep failing."""
+        """The acceptance tracker: back off a sequence whose drafts keep failing (pipelined,
+        one that has not accepted any since it resumed, at its first failure)."""
         state = self._states.get(seq)
         if state is None:
             return
         if num_accepted:
             state.failed_steps, state.backoff = 0, _BACKOFF_STEPS
+            state.accepted_since_resume = True
             return
         state.failed_steps += 1
-        if state.failed_steps >= _MAX_FAILED_STEPS:
+        patient = state.accepted_since_resume or not self.pipelined
+        if state.failed_steps >= (_MAX_FAILED_STEPS if patient else 1):
             state.resume_at_step = self._step + state.backoff
             state.backoff = min(2 * state.backoff, _MAX_BACKOFF_STEPS)
             state.failed_steps = 0
+            state.accepted_since_resume = False
 
     def _count(self, num_accepted: int, num_drafts: int) -> None:
         counters = self.counters

@@ -420,3 +420,65 @@ def test_a_draft_must_share_the_targets_tokenizer(cycling, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 384, and its "
                                          "tokenizer differs"):
         LLM(folder, max_model_len=64, num_kv_blocks=40, speculative_config=_draft(str(other)))
+
+
+# A greedy model that counts up, 100 -> 101 -> ... -> 199: its output never repeats, so
+# every n-gram draft comes from the prompt, where each pair of the count is followed by 50.
+COUNTING = {t: t + 1 for t in range(100, 199)}
+
+
+@pytest.fixture(scope="module")
+def counting(tmp_path_factory):
+    path = tmp_path_factory.mktemp("successor-counting")
+    build_successor_model(path, COUNTING)
+    return str(path)
+
+
+def _steps_to_finish(llm: LLM, prompt: list[int], params: SamplingParams):
+    """Runs one request: (steps, steps launched with drafts, finished outputs)."""
+    engine, steps, drafting, outputs = llm.engine, 0, 0, []
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        steps += 1
+        launched = engine._in_flight
+        drafting += launched is not None and launched.drafts is not None
+    return steps, drafting, [o for o in outputs if o.finished]
+
+
+def test_pipelined_drafts_that_always_fail_cost_few_steps(counting):
+    """Pipelined n-gram drafts on the counting model all fail, and each failure voids the
+    sequence's next step (launched on the guess that they held): a sequence whose drafts
+    have never been accepted backs off after its first failed verify, so N tokens take
+    about the N steps of plain decoding: one voided step per back-off (3 for 48 tokens),
+    not one per failure while the tracker counts three in a row (9)."""
+    num_tokens = 48
+    prompt = [t for first in range(100, 100 + num_tokens + 2) for t in (first, first + 1, 50)]
+    prompt.append(100)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    settings = {"max_model_len": 256, "block_size": 4, "seed": 0, "num_kv_blocks": 100}
+    plain_steps, _, want = _steps_to_finish(LLM(counting, **settings), prompt, params)
+    spec = LLM(counting, speculative_config=NGRAM, **settings)
+    assert spec.engine._pipelined_drafts
+    spec_steps, drafting, got = _steps_to_finish(spec, prompt, params)
+    assert _summary(got) == _summary(want)
+    assert want[0].outputs[0].token_ids == list(range(101, 101 + num_tokens))
+    counters = spec.engine.spec_decoder.counters
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens == 0, counters
+    assert spec_steps <= plain_steps + 4, (spec_steps, plain_steps)
+    # Each back-off's failed verify was read after the next step went out on its guess;
+    # once the sequence has backed off, that voided step carries no drafts of its own.
+    assert drafting == counters.num_drafts + 1, (drafting, counters)
+
+
+def test_pipelined_drafts_that_hold_are_proposed_every_step(cycling):
+    """A sequence whose drafts are all accepted keeps drafting every step, pipelined:
+    the failure rule leaves it alone (each step verifies k drafts and gains k + 1)."""
+    folder, _ = cycling
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    settings = {"max_model_len": 160, "block_size": 4, "seed": 0, "num_kv_blocks": 100}
+    spec = LLM(folder, speculative_config=NGRAM, **settings)
+    steps, drafting, _ = _steps_to_finish(spec, [10, 11, 12, 13, 14] * 3, params)
+    counters = spec.engine.spec_decoder.counters
+    assert counters.num_accepted_tokens == counters.num_draft_tokens == 4 * 8, counters
+    assert counters.num_drafts == drafting == 8 and steps <= 8 + 3, (steps, counters)
