@@ -10,12 +10,39 @@ causal within the context.
 An FP8 cache (``kernels.kv_cache``) is read as its e4m3 values times ``k_scale`` /
 ``v_scale``; the kernel folds the key scale into the softmax scale and the value scale
 into the output, which is the same math.
+
+Long prefills (``LongPrefill``: a sequence with many query tokens, found on the host by
+``find_long_prefills``) may instead run FlashAttention-class kernels through torch's SDPA,
+over their context gathered from the cache into contiguous K/V (a copy that costs little
+beside the quadratic attention); the step's other sequences run the paged kernel. Such a
+step runs eagerly: the split depends on host-side lengths that a CUDA graph cannot see.
 """
 
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from pagoda_kernels._backend import kernel_for
-from pagoda_kernels.kv_cache import dequantize_kv_ref
+from pagoda_kernels.kv_cache import dequantize_kv_ref, is_fp8_cache
+
+logger = logging.getLogger(__name__)
+
+# A sequence with this many query tokens or more in a step takes the SDPA path on a GPU
+# (``long_prefill_min_queries``); below it the paged kernel's graph replays win.
+LONG_PREFILL_MIN_QUERIES = 2048
+
+
+@dataclass(frozen=True)
+class LongPrefill:
+    """A sequence of the step whose attention runs through SDPA: host-side integers."""
+
+    seq: int  # its index among the step's sequences
+    q_start: int  # its first query row
+    num_queries: int
+    context_len: int  # tokens of context, this step's included
 
 
 def paged_attention_ref(
@@ -81,10 +108,18 @@ def paged_attention(
     max_query_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    long_prefills: tuple[LongPrefill, ...] = (),
 ) -> torch.Tensor:
     """Dispatches to the Triton kernel (``pagoda_kernels/_triton/attention.py``) or the reference.
 
-    The Triton path never syncs with the host, so it can be captured in a CUDA graph."""
+    The Triton path never syncs with the host, so it can be captured in a CUDA graph.
+    ``long_prefills`` (in step order, from ``find_long_prefills``): sequences whose
+    attention runs through SDPA instead (the result is the same math)."""
+    if long_prefills:
+        return _with_long_prefills(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            k_scale, v_scale, long_prefills,
+        )  # fmt: skip
     triton_ops = kernel_for("attention", q)
     if triton_ops is not None:
         return triton_ops.paged_attention(
@@ -112,3 +147,141 @@ def warm_up_paged_attention(
     return triton_ops.warm_up(
         k_cache, v_cache, num_heads, scale, max_num_tokens, decode, q_dtype, k_scale, v_scale
     )
+
+
+def long_prefill_min_queries(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> int | None:
+    """From how many query tokens a sequence's prefill takes the SDPA path, for attention
+    of this shape (one rank's heads) on ``device``: None where it does not (CPU, where the
+    reference is the same math either way, or a GPU whose SDPA cannot run it without the
+    math backend or gives another result: checked once per shape, ``_sdpa_mode``)."""
+    if device.type != "cuda":
+        return None
+    if _sdpa_mode(device, dtype, num_heads, num_kv_heads, head_size) is None:
+        return None
+    return LONG_PREFILL_MIN_QUERIES
+
+
+def find_long_prefills(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, min_queries: int | None
+) -> tuple[LongPrefill, ...]:
+    """The step's sequences of at least ``min_queries`` query tokens (none when None), from
+    the host's copies of ``query_start_loc`` and ``seq_lens``."""
+    if min_queries is None:
+        return ()
+    num_queries = np.diff(query_start_loc)
+    return tuple(
+        LongPrefill(int(b), int(query_start_loc[b]), int(num_queries[b]), int(seq_lens[b]))
+        for b in np.flatnonzero(num_queries >= min_queries)
+    )
+
+
+def _with_long_prefills(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, k_scale, v_scale,
+    long_prefills: tuple[LongPrefill, ...],
+) -> torch.Tensor:  # fmt: skip
+    """The paged op over the runs of sequences between the long prefills (their rows and
+    ``query_start_loc`` rebased), SDPA for each long prefill."""
+    if out is None:
+        out = torch.empty_like(q)
+    expand_kv = q.is_cuda and _sdpa_mode(q.device, q.dtype, q.shape[1], k_cache.shape[2],
+                                         q.shape[2]) == "expand"  # fmt: skip
+    first_seq, first_row = 0, 0
+    for prefill in (*long_prefills, LongPrefill(seq_lens.shape[0], q.shape[0], 0, 0)):
+        seqs, rows = slice(first_seq, prefill.seq), slice(first_row, prefill.q_start)
+        if prefill.seq > first_seq and prefill.q_start > first_row:
+            paged_attention(
+                q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs],
+                query_start_loc[first_seq : prefill.seq + 1] - first_row, scale, out[rows],
+                None, k_scale, v_scale,
+            )  # fmt: skip
+        if prefill.num_queries:
+            rows = slice(prefill.q_start, prefill.q_start + prefill.num_queries)
+            _sdpa_prefill(q[rows], k_cache, v_cache, block_tables[prefill.seq],
+                          prefill.context_len, scale, k_scale, v_scale, out[rows], expand_kv)
+        first_seq, first_row = prefill.seq + 1, prefill.q_start + prefill.num_queries
+    return out
+
+
+def _sdpa_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    context_len: int, scale: float, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None, out: torch.Tensor, expand_kv: bool = False,
+) -> None:  # fmt: skip
+    """One sequence's queries (its last ``len(q)`` tokens) over its ``context_len`` tokens
+    of context: K/V gathered from the cache's blocks, causal aligned to the last key
+    (a chunk or a prefix-cache hit sees all the context before it). ``expand_kv``: each
+    KV head repeated for its query heads, for an SDPA whose kernels take no GQA."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    num_queries, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    blocks = block_table[: -(-context_len // block_size)].long()
+    keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [S, Hkv, D]
+    values = v_cache[blocks].flatten(0, 1)[:context_len]
+    if is_fp8_cache(k_cache):
+        keys = dequantize_kv_ref(keys, k_scale).to(q.dtype)
+        values = dequantize_kv_ref(values, v_scale).to(q.dtype)
+    if expand_kv and num_heads != num_kv_heads:
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+    key, value = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    mask = None if num_queries == context_len else causal_lower_right(num_queries, context_len)
+    with _sdpa_backends(q.device):
+        result = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=key.shape[1] != num_heads,
+        )  # fmt: skip
+    out.copy_(result[0].transpose(0, 1))
+
+
+def _sdpa_backends(device: torch.device):
+    """On a GPU never the math backend (it would materialise the [L, S] scores: gigabytes
+    at long context); an SDPA that cannot run the call then raises instead."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION])
+
+
+@functools.cache
+def _sdpa_mode(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+) -> str | None:
+    """How SDPA runs long prefills of this shape here: "gqa" (its kernels take the KV heads
+    as they are), "expand" (each KV head repeated for its group first), or None (neither
+    runs without the math backend, or the result differs from the reference). Checked on
+    a chunk over earlier context and a prefill from scratch, against the reference."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = torch.randn(4, 16, num_kv_heads, head_size, device=device, generator=gen)
+    cache = cache.to(dtype)
+    q = torch.randn(40, num_heads, head_size, device=device, generator=gen).to(dtype)
+    table = torch.arange(4, device=device, dtype=torch.int32)
+    scale = head_size**-0.5
+    modes = ("gqa", "expand") if num_heads != num_kv_heads else ("gqa",)
+    for mode in modes:
+        try:
+            for num_queries, context_len in ((24, 40), (40, 40)):
+                out = torch.empty_like(q[:num_queries])
+                _sdpa_prefill(q[:num_queries], cache, cache, table, context_len, scale, None,
+                              None, out, mode == "expand")  # fmt: skip
+                want = paged_attention_ref(
+                    q[:num_queries], cache, cache, table[None],
+                    torch.tensor([context_len], device=device),
+                    torch.tensor([0, num_queries], device=device), scale,
+                )  # fmt: skip
+                if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+                    raise RuntimeError("the result differs from the reference")
+        except RuntimeError as error:
+            logger.info("SDPA for long prefills (%s, %s): %s", dtype, mode, error)
+            continue
+        return mode
+    logger.warning("long prefills (%s, %d/%d heads of %d) use the paged attention kernel: "
+                   "SDPA cannot run them here", dtype, num_heads, num_kv_heads, head_size)
+    return None

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda_kernels.attention import LongPrefill
+
 
 @dataclass
 class AttentionMetadata:
@@ -15,3 +17,5 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int32: where each sequence's rows start
     max_query_len: int  # host-side hint: 1 means a pure decode step
+    # Host-side: sequences whose attention runs through SDPA (eager steps only).
+    long_prefills: tuple[LongPrefill, ...] = ()

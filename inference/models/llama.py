@@ -217,6 +217,7 @@ class DecoderLayer(nn.Module):
             max_query_len=meta.max_query_len,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            long_prefills=meta.long_prefills,
         )
         staging = self.parallel.all_reduce_input(num_tokens, self.o_proj.shape[0], out.dtype)
         attended = out.reshape(num_tokens, self.q_size)

@@ -45,6 +45,7 @@ from inference.sampler import (
 from inference.sequence import Sequence
 from inference.spec_decode.rejection import verify_rows
 from pagoda_kernels import warm_up_paged_attention
+from pagoda_kernels.attention import LongPrefill, find_long_prefills, long_prefill_min_queries
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,12 @@ class ModelRunner:
         _, self.num_kv_heads = kv_head_range(
             model_config.num_kv_heads, parallel.rank, parallel.world_size
         )
+        # Sequences with this many query tokens in a step run their attention through SDPA
+        # (``pagoda_kernels.attention.LongPrefill``), the step eagerly; None: never.
+        self.long_prefill_min_queries = long_prefill_min_queries(
+            self.device, dtype, model_config.num_heads // parallel.world_size,
+            self.num_kv_heads, model_config.head_dim,
+        )  # fmt: skip
         start = time.perf_counter()
         self.model = load_model(
             model_path, model_config, dtype, self.device, config.max_model_len, config.load_format,
@@ -170,12 +177,15 @@ class ModelRunner:
     def _one_sequence_metadata(self, num_tokens: int) -> AttentionMetadata:
         """A prompt of ``num_tokens`` in blocks 0, 1, ... (profiling and warm-up runs)."""
         max_blocks = -(-num_tokens // self.block_size)
+        minimum = self.long_prefill_min_queries
+        long = minimum is not None and num_tokens >= minimum
         return AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             block_tables=torch.arange(max_blocks, device=self.device, dtype=torch.int32)[None],
             seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
             query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
             max_query_len=num_tokens,
+            long_prefills=(LongPrefill(0, 0, num_tokens, num_tokens),) if long else (),
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -283,7 +293,7 @@ class ModelRunner:
         self.config = replace(self.config, num_kv_blocks=num_blocks)
 
     # -- one step ----------------------------------------------------------------------
-    def _to_device(self, inputs: StepInputs):
+    def _to_device(self, inputs: StepInputs, long_prefills: tuple[LongPrefill, ...] = ()):
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -293,6 +303,7 @@ class ModelRunner:
             seq_lens=to_device(inputs.seq_lens),
             query_start_loc=to_device(inputs.query_start_loc.astype(np.int32)),
             max_query_len=inputs.max_query_len,
+            long_prefills=long_prefills,
         )
         return to_device(inputs.input_ids), to_device(inputs.positions), meta
 
@@ -356,10 +367,14 @@ class ModelRunner:
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The model's final hidden states over a step's tokens: through a captured graph
         where one fits, else eagerly."""
+        long_prefills = ()
+        minimum = self.long_prefill_min_queries
+        if minimum is not None and inputs.max_query_len >= minimum:
+            long_prefills = find_long_prefills(inputs.query_start_loc, inputs.seq_lens, minimum)
         graphs = self.graphs
-        if graphs is not None and graphs.fits(inputs):
+        if graphs is not None and not long_prefills and graphs.fits(inputs):
             return graphs.run(inputs)
-        input_ids, positions, meta = self._to_device(inputs)
+        input_ids, positions, meta = self._to_device(inputs, long_prefills)
         if inputs.has_placeholders:
             return self.forward(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)

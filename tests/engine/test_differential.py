@@ -115,6 +115,29 @@ def test_triton_kernels_against_transformers(models, monkeypatch, index, setting
         assert stats.num_preemptions_total > 0
 
 
+# Prefill chunks of 8 query tokens or more run their attention through SDPA over K/V
+# gathered from the cache (on a GPU from ``LONG_PREFILL_MIN_QUERIES``; CPU never does by
+# itself): chunks over earlier context, prefix-cache hits and preemption's recompute.
+SDPA_SHARE = [s for s in MATRIX if setting_id(s) in (
+    "budget32-cache-async-eager-bs16-preempt", "budget256-cache-sync-eager-bs32",
+    "budgetdefault-nocache-async-eager-bs16")]
+
+
+@pytest.mark.parametrize("index,setting", list(enumerate(SDPA_SHARE)),
+                         ids=[setting_id(s) for s in SDPA_SHARE])
+def test_long_prefills_through_sdpa_against_transformers(models, monkeypatch, index, setting):
+    import inference.runner.model_runner as model_runner
+    import pagoda_kernels.attention as attention
+
+    calls = []
+    sdpa = attention._sdpa_prefill
+    monkeypatch.setattr(model_runner, "long_prefill_min_queries", lambda *shape: 8)
+    monkeypatch.setattr(attention, "_sdpa_prefill",
+                        lambda q, *args: calls.append(len(q)) or sdpa(q, *args))
+    _run(models, index, setting)
+    assert calls and min(calls) >= 8
+
+
 def test_harness_sees_a_wrong_kv_read(models, monkeypatch):
     """The suite must be able to fail: an engine that reads one position late in the KV
     cache for chunked prefills (a bug of the kind this suite exists for) is caught."""

@@ -1,0 +1,119 @@
+"""Long prefills through SDPA (``pagoda_kernels.attention.LongPrefill``): a step whose
+chosen sequences run torch's SDPA over their context gathered from the cache, and the
+others the paged kernel (Triton under the interpreter here), gives the float64 truth.
+The chosen sequences sit first, last, side by side and between others; a prefill chunk
+over earlier context and a prefix-cache hit need the causal mask aligned to the last key
+(top-left alignment, SDPA's ``is_causal`` for non-square scores, would be wrong)."""
+
+import numpy as np
+import pytest
+import torch
+from test_attention import TOLERANCE, make_batch
+from test_fp8_kv_cache import fp8_batch
+
+from pagoda_kernels import paged_attention
+from pagoda_kernels._float64 import attention64, rel_err
+from pagoda_kernels.attention import LongPrefill, _sdpa_prefill, find_long_prefills
+from pagoda_kernels.kv_cache import dequantize_kv_ref
+
+MIN_QUERIES = 8
+MIXES = {
+    # name: (query lengths, context lengths); the long ones have >= 8 query tokens
+    "alone, from scratch": ([40], [40]),
+    "alone, a chunk over context": ([24], [61]),
+    "last, after decodes": ([1, 1, 1, 30], [9, 33, 2, 70]),
+    "first, then decodes and a short chunk": ([17, 1, 5, 1], [17, 40, 25, 3]),
+    "side by side, between others": ([1, 12, 9, 0, 3, 20, 1], [5, 12, 50, 4, 10, 36, 18]),
+}
+
+
+def _check(batch: dict, dtype: torch.dtype, truth_batch: dict | None = None) -> None:
+    scale = batch["q"].shape[-1] ** -0.5
+    prefills = find_long_prefills(batch["query_start_loc"].numpy(), batch["seq_lens"].numpy(),
+                                  MIN_QUERIES)  # fmt: skip
+    assert prefills
+    covered = int(batch["query_start_loc"][-1])
+    out = paged_attention(**batch, scale=scale, out=torch.full_like(batch["q"], float("nan")),
+                          long_prefills=prefills)  # fmt: skip
+    assert not out[:covered].isnan().any(), "rows left unwritten"
+    truth = attention64(**(truth_batch or batch), scale=scale)[:covered]
+    assert rel_err(out[:covered], truth) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_long_prefills_beside_the_paged_kernel(mix: str, block_size: int) -> None:
+    torch.manual_seed(block_size + len(mix))
+    batch = make_batch(*MIXES[mix], 6, 2, 64, block_size, torch.float32, padding_tokens=3)
+    _check(batch, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 1), (2, 2)])
+def test_long_prefill_dtypes_and_groups(dtype, num_heads: int, num_kv_heads: int) -> None:
+    torch.manual_seed(num_heads)
+    batch = make_batch([1, 19, 2], [7, 50, 20], num_heads, num_kv_heads, 128, 16, dtype)
+    _check(batch, dtype)
+
+
+def test_long_prefill_over_an_fp8_cache() -> None:
+    torch.manual_seed(5)
+    batch = fp8_batch([1, 21, 1], [30, 45, 3], 4, 2, 64, 16, torch.bfloat16, 0.02, 0.005)
+    truth = {key: value for key, value in batch.items() if key not in ("k_scale", "v_scale")}
+    truth["k_cache"] = dequantize_kv_ref(batch["k_cache"], batch["k_scale"]).double()
+    truth["v_cache"] = dequantize_kv_ref(batch["v_cache"], batch["v_scale"]).double()
+    _check(batch, torch.bfloat16, truth)
+
+
+def test_long_prefills_are_found_from_the_host_arrays() -> None:
+    query_start_loc = np.array([0, 1, 13, 22, 22, 25, 45], dtype=np.int32)
+    seq_lens = np.array([5, 12, 50, 4, 10, 36], dtype=np.int32)
+    assert find_long_prefills(query_start_loc, seq_lens, 9) == (
+        LongPrefill(1, 1, 12, 12), LongPrefill(2, 13, 9, 50), LongPrefill(5, 25, 20, 36))
+    assert find_long_prefills(query_start_loc, seq_lens, 13) == (LongPrefill(5, 25, 20, 36),)
+    assert find_long_prefills(query_start_loc, seq_lens, None) == ()
+
+
+def test_kv_heads_expanded_for_an_sdpa_without_gqa() -> None:
+    torch.manual_seed(9)
+    batch = make_batch([1, 19, 2], [7, 50, 20], 6, 2, 64, 16, torch.float32)
+    scale = 64**-0.5
+    prefill = LongPrefill(1, 1, 19, 50)
+    rows = slice(1, 20)
+    truth = attention64(**batch, scale=scale)[rows]
+    out = torch.empty_like(batch["q"][rows])
+    _sdpa_prefill(batch["q"][rows], batch["k_cache"], batch["v_cache"],
+                  batch["block_tables"][prefill.seq], prefill.context_len, scale, None, None,
+                  out, True)  # fmt: skip
+    assert rel_err(out, truth) <= TOLERANCE[torch.float32]
+
+
+def test_the_sdpa_mode_is_checked_against_the_reference(monkeypatch) -> None:
+    """A GPU's SDPA is checked once per shape before any step uses it: GQA as it is, else
+    the KV heads expanded, else the paged kernel (None); a wrong result counts as failing."""
+    import pagoda_kernels.attention as attention
+
+    cpu = torch.device("cpu")
+    args = (cpu, torch.float32, 4, 2, 32)
+    attention._sdpa_mode.cache_clear()
+    assert attention._sdpa_mode(*args) == "gqa"
+    real = attention._sdpa_prefill
+
+    def without_gqa(q, *rest):
+        if not rest[-1]:
+            raise RuntimeError("No available kernel")
+        real(q, *rest)
+
+    attention._sdpa_mode.cache_clear()
+    monkeypatch.setattr(attention, "_sdpa_prefill", without_gqa)
+    assert attention._sdpa_mode(*args) == "expand"
+
+    def wrong(q, *rest):
+        real(q, *rest)
+        rest[-2].add_(1.0)  # ``out``
+
+    attention._sdpa_mode.cache_clear()
+    monkeypatch.setattr(attention, "_sdpa_prefill", wrong)
+    assert attention._sdpa_mode(*args) is None
+    attention._sdpa_mode.cache_clear()
+    assert attention.long_prefill_min_queries(cpu, *args[1:]) is None  # never on CPU
