@@ -18,11 +18,19 @@ import torch
 import triton.testing
 
 from pagoda_kernels import paged_attention
-from pagoda_kernels.attention import LongPrefill, _sdpa_mode, find_long_prefills
+from pagoda_kernels.attention import (
+    LongPrefill,
+    _sdpa_mode,
+    _sdpa_prefill,
+    _SdpaMode,
+    find_long_prefills,
+)
 
 SHAPES = {"1.5b": (12, 2), "7b": (28, 4)}
-CASES = [(512, 512), (1024, 1024), (2048, 2048), (2048, 8192), (4096, 4096), (8192, 8192),
+CASES = [(1024, 1024), (2048, 2048), (2048, 8192), (4096, 4096), (8192, 8192),
          (4096, 32768), (16384, 16384), (16384, 32768)]
+# A chunk over earlier context, each way SDPA may run it (``_SdpaMode.over_context``).
+WAYS = ("cudnn", "flash", "lower_right")
 BLOCK = 16
 
 
@@ -59,7 +67,7 @@ def main() -> None:
           f"{'sdpa ms':>8} {'speed-up':>8} {'max diff':>9}")
     for shape, (heads, kv_heads) in SHAPES.items():
         mode = _sdpa_mode(torch.device("cuda"), torch.bfloat16, heads, kv_heads, 128)
-        print(f"{shape}: SDPA mode {mode}")
+        print(f"{shape}: SDPA {mode}")
         for decodes in (0, 64):
             for queries, context in CASES:
                 batch = _batch(shape, queries, context, decodes)
@@ -85,9 +93,33 @@ def main() -> None:
                 print(f"{shape:>5} {decodes:>7} {queries:>7} {context:>7} {paged_ms:>9.3f} "
                       f"{sdpa_ms:>8.3f} {paged_ms / sdpa_ms:>7.2f}x {diff:>9.2e}", flush=True)
                 del batch
+    ways = []
+    for shape in SHAPES:
+        for queries, context in [c for c in CASES if c[0] < c[1]]:
+            batch = _batch(shape, queries, context, 0)
+            out = torch.empty_like(batch["q"])
+            for way in WAYS:
+                mode = _SdpaMode(False, way)
+
+                def run(m=mode, b=batch, n=context, o=out):
+                    _sdpa_prefill(b["q"], b["k_cache"], b["v_cache"], b["block_tables"][0], n,
+                                  128**-0.5, None, None, o, m)
+
+                try:
+                    run()
+                    ms = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
+                except (RuntimeError, NotImplementedError) as error:
+                    print(f"{shape} {queries} over {context} {way}: {str(error)[:120]}")
+                    continue
+                ways.append(dict(shape=shape, queries=queries, context=context, way=way,
+                                 ms=round(ms, 4)))
+                print(f"{shape:>5} {queries:>6} over {context:>6} {way:>12}: {ms:.3f} ms",
+                      flush=True)
+            del batch
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "ways": ways}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -185,8 +185,10 @@ def _with_long_prefills(
     ``query_start_loc`` rebased), SDPA for each long prefill."""
     if out is None:
         out = torch.empty_like(q)
-    expand_kv = q.is_cuda and _sdpa_mode(q.device, q.dtype, q.shape[1], k_cache.shape[2],
-                                         q.shape[2]) == "expand"  # fmt: skip
+    mode = _sdpa_mode(q.device, q.dtype, q.shape[1], k_cache.shape[2], q.shape[2])
+    if mode is None:
+        raise RuntimeError("long prefills given where SDPA cannot run them "
+                           "(long_prefill_min_queries says where it can)")
     first_seq, first_row = 0, 0
     for prefill in (*long_prefills, LongPrefill(seq_lens.shape[0], q.shape[0], 0, 0)):
         seqs, rows = slice(first_seq, prefill.seq), slice(first_row, prefill.q_start)
@@ -199,20 +201,31 @@ def _with_long_prefills(
         if prefill.num_queries:
             rows = slice(prefill.q_start, prefill.q_start + prefill.num_queries)
             _sdpa_prefill(q[rows], k_cache, v_cache, block_tables[prefill.seq],
-                          prefill.context_len, scale, k_scale, v_scale, out[rows], expand_kv)
+                          prefill.context_len, scale, k_scale, v_scale, out[rows], mode)
         first_seq, first_row = prefill.seq + 1, prefill.q_start + prefill.num_queries
     return out
+
+
+@dataclass(frozen=True)
+class _SdpaMode:
+    """How SDPA runs long prefills of one shape on one device (``_sdpa_mode``)."""
+
+    expand_kv: bool  # each KV head repeated for its query heads (SDPA without GQA)
+    # A chunk over earlier context: "lower_right" is one SDPA call with the causal mask
+    # aligned to the last key (torch gives it FlashAttention-2 only); "cudnn", "flash" and
+    # "cpu" name the fused op that runs it as two calls, the earlier context unmasked and
+    # the chunk over itself causal, merged by their log-sum-exps.
+    over_context: str
 
 
 def _sdpa_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     context_len: int, scale: float, k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None, out: torch.Tensor, expand_kv: bool = False,
+    v_scale: torch.Tensor | None, out: torch.Tensor, mode: _SdpaMode,
 ) -> None:  # fmt: skip
     """One sequence's queries (its last ``len(q)`` tokens) over its ``context_len`` tokens
     of context: K/V gathered from the cache's blocks, causal aligned to the last key
-    (a chunk or a prefix-cache hit sees all the context before it). ``expand_kv``: each
-    KV head repeated for its query heads, for an SDPA whose kernels take no GQA."""
+    (a chunk or a prefix-cache hit sees all the context before it)."""
     from torch.nn.attention.bias import causal_lower_right
 
     num_queries, num_heads, _ = q.shape
@@ -223,18 +236,54 @@ def _sdpa_prefill(
     if is_fp8_cache(k_cache):
         keys = dequantize_kv_ref(keys, k_scale).to(q.dtype)
         values = dequantize_kv_ref(values, v_scale).to(q.dtype)
-    if expand_kv and num_heads != num_kv_heads:
+    if mode.expand_kv and num_heads != num_kv_heads:
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
     query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     key, value = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    mask = None if num_queries == context_len else causal_lower_right(num_queries, context_len)
-    with _sdpa_backends(q.device):
-        result = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=key.shape[1] != num_heads,
-        )  # fmt: skip
+    gqa = key.shape[1] != num_heads
+    prefix = context_len - num_queries
+    if prefix and mode.over_context != "lower_right":
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        with _sdpa_backends(q.device):
+            before, lse_before = _attend(query, key[:, :, :prefix], value[:, :, :prefix],
+                                         False, scale, mode.over_context)  # fmt: skip
+            chunk, lse_chunk = _attend(query, key[:, :, prefix:], value[:, :, prefix:], True,
+                                       scale, mode.over_context)  # fmt: skip
+        top = torch.maximum(lse_before, lse_chunk)
+        w_before, w_chunk = torch.exp(lse_before - top), torch.exp(lse_chunk - top)
+        total = w_before + w_chunk
+        result = (before.float() * (w_before / total)[..., None]
+                  + chunk.float() * (w_chunk / total)[..., None])  # fmt: skip
+    else:
+        mask = causal_lower_right(num_queries, context_len) if prefix else None
+        with _sdpa_backends(q.device):
+            result = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=gqa,
+            )  # fmt: skip
     out.copy_(result[0].transpose(0, 1))
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float,
+    op: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its log-sum-exp per query row ([1, Hq, L] float32) from one of torch's
+    fused SDPA ops (private ops: ``_sdpa_mode`` checks them before any step uses one)."""
+    aten = torch.ops.aten
+    if op == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, 0.0, causal, False, scale=scale)[:2]
+    elif op == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, False, scale=scale)[:2]
+    elif op == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)[:2]
+    else:
+        raise ValueError(f"unknown SDPA op {op!r}")
+    return out, lse.reshape(*lse.shape[:2], -1)[..., : query.shape[2]].float()
 
 
 def _sdpa_backends(device: torch.device):
@@ -253,24 +302,27 @@ def _sdpa_backends(device: torch.device):
 @functools.cache
 def _sdpa_mode(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
-) -> str | None:
-    """How SDPA runs long prefills of this shape here: "gqa" (its kernels take the KV heads
-    as they are), "expand" (each KV head repeated for its group first), or None (neither
-    runs without the math backend, or the result differs from the reference). Checked on
-    a chunk over earlier context and a prefill from scratch, against the reference."""
+) -> _SdpaMode | None:
+    """How SDPA runs long prefills of this shape here: the first of the ways below that
+    runs without the math backend and gives the reference's result on a chunk over earlier
+    context and a prefill from scratch (None: none does, the paged kernel runs them).
+    GPU: the chunk over context split in two around cuDNN's fused op, else
+    FlashAttention's, else one lower-right call; each with the KV heads as they are, else
+    expanded."""
     gen = torch.Generator(device=device).manual_seed(0)
     cache = torch.randn(4, 16, num_kv_heads, head_size, device=device, generator=gen)
     cache = cache.to(dtype)
     q = torch.randn(40, num_heads, head_size, device=device, generator=gen).to(dtype)
     table = torch.arange(4, device=device, dtype=torch.int32)
     scale = head_size**-0.5
-    modes = ("gqa", "expand") if num_heads != num_kv_heads else ("gqa",)
-    for mode in modes:
+    ways = ("cudnn", "flash", "lower_right") if device.type == "cuda" else ("cpu", "lower_right")
+    expand = (False, True) if num_heads != num_kv_heads else (False,)
+    for mode in (_SdpaMode(e, way) for way in ways for e in expand):
         try:
             for num_queries, context_len in ((24, 40), (40, 40)):
                 out = torch.empty_like(q[:num_queries])
                 _sdpa_prefill(q[:num_queries], cache, cache, table, context_len, scale, None,
-                              None, out, mode == "expand")  # fmt: skip
+                              None, out, mode)  # fmt: skip
                 want = paged_attention_ref(
                     q[:num_queries], cache, cache, table[None],
                     torch.tensor([context_len], device=device),
@@ -278,7 +330,7 @@ def _sdpa_mode(
                 )  # fmt: skip
                 if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
                     raise RuntimeError("the result differs from the reference")
-        except RuntimeError as error:
+        except (RuntimeError, NotImplementedError, ValueError) as error:
             logger.info("SDPA for long prefills (%s, %s): %s", dtype, mode, error)
             continue
         return mode

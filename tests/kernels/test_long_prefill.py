@@ -13,7 +13,7 @@ from test_fp8_kv_cache import fp8_batch
 
 from pagoda_kernels import paged_attention
 from pagoda_kernels._float64 import attention64, rel_err
-from pagoda_kernels.attention import LongPrefill, _sdpa_prefill, find_long_prefills
+from pagoda_kernels.attention import LongPrefill, _sdpa_prefill, _SdpaMode, find_long_prefills
 from pagoda_kernels.kv_cache import dequantize_kv_ref
 
 MIN_QUERIES = 8
@@ -74,43 +74,54 @@ def test_long_prefills_are_found_from_the_host_arrays() -> None:
     assert find_long_prefills(query_start_loc, seq_lens, None) == ()
 
 
-def test_kv_heads_expanded_for_an_sdpa_without_gqa() -> None:
+@pytest.mark.parametrize("over_context", ["cpu", "lower_right"])
+@pytest.mark.parametrize("expand_kv", [False, True])
+def test_each_way_sdpa_may_run(over_context: str, expand_kv: bool) -> None:
+    """A chunk over earlier context as one lower-right call or as two fused calls merged by
+    their log-sum-exps; the KV heads as they are or expanded for the group."""
     torch.manual_seed(9)
     batch = make_batch([1, 19, 2], [7, 50, 20], 6, 2, 64, 16, torch.float32)
     scale = 64**-0.5
-    prefill = LongPrefill(1, 1, 19, 50)
     rows = slice(1, 20)
     truth = attention64(**batch, scale=scale)[rows]
-    out = torch.empty_like(batch["q"][rows])
-    _sdpa_prefill(batch["q"][rows], batch["k_cache"], batch["v_cache"],
-                  batch["block_tables"][prefill.seq], prefill.context_len, scale, None, None,
-                  out, True)  # fmt: skip
-    assert rel_err(out, truth) <= TOLERANCE[torch.float32]
+    for context_len, query in ((50, batch["q"][rows]), (19, batch["q"][rows])):
+        out = torch.empty_like(query)
+        _sdpa_prefill(query, batch["k_cache"], batch["v_cache"], batch["block_tables"][1],
+                      context_len, scale, None, None, out, _SdpaMode(expand_kv, over_context))
+        if context_len == 50:
+            assert rel_err(out, truth) <= TOLERANCE[torch.float32]
+        else:  # from scratch: the first 19 keys of its blocks, causal
+            first = {**batch, "seq_lens": torch.tensor([7, 19, 20], dtype=torch.int32)}
+            assert rel_err(out, attention64(**first, scale=scale)[rows]) <= 1e-4
 
 
 def test_the_sdpa_mode_is_checked_against_the_reference(monkeypatch) -> None:
-    """A GPU's SDPA is checked once per shape before any step uses it: GQA as it is, else
-    the KV heads expanded, else the paged kernel (None); a wrong result counts as failing."""
+    """SDPA is checked once per shape before any step uses it, each way in turn (here:
+    the split around the CPU's fused op, then one lower-right call; GQA as it is, else
+    expanded), a wrong result counting as failing; none working means the paged kernel."""
     import pagoda_kernels.attention as attention
 
     cpu = torch.device("cpu")
     args = (cpu, torch.float32, 4, 2, 32)
     attention._sdpa_mode.cache_clear()
-    assert attention._sdpa_mode(*args) == "gqa"
+    assert attention._sdpa_mode(*args) == _SdpaMode(False, "cpu")
     real = attention._sdpa_prefill
 
-    def without_gqa(q, *rest):
-        if not rest[-1]:
-            raise RuntimeError("No available kernel")
-        real(q, *rest)
+    def only(mode):
+        def run(*given):
+            if given[-1] != mode:
+                raise RuntimeError("No available kernel")
+            real(*given)
+        return run
 
-    attention._sdpa_mode.cache_clear()
-    monkeypatch.setattr(attention, "_sdpa_prefill", without_gqa)
-    assert attention._sdpa_mode(*args) == "expand"
+    for mode in (_SdpaMode(True, "cpu"), _SdpaMode(False, "lower_right")):
+        attention._sdpa_mode.cache_clear()
+        monkeypatch.setattr(attention, "_sdpa_prefill", only(mode))
+        assert attention._sdpa_mode(*args) == mode
 
-    def wrong(q, *rest):
-        real(q, *rest)
-        rest[-2].add_(1.0)  # ``out``
+    def wrong(*given):
+        real(*given)
+        given[-2].add_(1.0)  # ``out``
 
     attention._sdpa_mode.cache_clear()
     monkeypatch.setattr(attention, "_sdpa_prefill", wrong)
