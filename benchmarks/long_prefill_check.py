@@ -72,7 +72,7 @@ def main() -> None:
             for queries, context in CASES:
                 batch = _batch(shape, queries, context, decodes)
                 host = batch.pop("host")
-                prefills = find_long_prefills(*host, queries)
+                prefills = find_long_prefills(*host, queries, 0)
                 assert prefills == (LongPrefill(decodes, decodes, queries, context),)
                 batch["scale"] = 128**-0.5
 

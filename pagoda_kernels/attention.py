@@ -30,9 +30,13 @@ from pagoda_kernels.kv_cache import dequantize_kv_ref, is_fp8_cache
 
 logger = logging.getLogger(__name__)
 
-# A sequence with this many query tokens or more in a step takes the SDPA path on a GPU
-# (``long_prefill_min_queries``); below it the paged kernel's graph replays win.
+# A sequence takes the SDPA path on a GPU (``long_prefill_min_queries``) with this many
+# query tokens or more in a step and this many (query, key) pairs, its queries times its
+# context: measured on an H100 (``benchmarks/long_prefill_check.py``), SDPA wins from 2^25
+# pairs on (1.1-2.2x) and loses below it (a 2k or 4k prompt from scratch: 0.5-0.7x with
+# the host work of the split and the eager step).
 LONG_PREFILL_MIN_QUERIES = 2048
+LONG_PREFILL_MIN_PAIRS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -164,16 +168,20 @@ def long_prefill_min_queries(
 
 
 def find_long_prefills(
-    query_start_loc: np.ndarray, seq_lens: np.ndarray, min_queries: int | None
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, min_queries: int | None,
+    min_pairs: int | None = None,
 ) -> tuple[LongPrefill, ...]:
-    """The step's sequences of at least ``min_queries`` query tokens (none when None), from
-    the host's copies of ``query_start_loc`` and ``seq_lens``."""
+    """The step's sequences of at least ``min_queries`` query tokens (none when None) and
+    ``min_pairs`` (query, key) pairs (default ``LONG_PREFILL_MIN_PAIRS``), from the host's
+    copies of ``query_start_loc`` and ``seq_lens``."""
     if min_queries is None:
         return ()
-    num_queries = np.diff(query_start_loc)
+    min_pairs = LONG_PREFILL_MIN_PAIRS if min_pairs is None else min_pairs
+    num_queries = np.diff(query_start_loc).astype(np.int64)
+    chosen = (num_queries >= min_queries) & (num_queries * seq_lens >= min_pairs)
     return tuple(
         LongPrefill(int(b), int(query_start_loc[b]), int(num_queries[b]), int(seq_lens[b]))
-        for b in np.flatnonzero(num_queries >= min_queries)
+        for b in np.flatnonzero(chosen)
     )
 
 

@@ -132,6 +132,7 @@ def test_long_prefills_through_sdpa_against_transformers(models, monkeypatch, in
     calls = []
     sdpa = attention._sdpa_prefill
     monkeypatch.setattr(model_runner, "long_prefill_min_queries", lambda *shape: 8)
+    monkeypatch.setattr(attention, "LONG_PREFILL_MIN_PAIRS", 0)
     monkeypatch.setattr(attention, "_sdpa_prefill",
                         lambda q, *args: calls.append(len(q)) or sdpa(q, *args))
     _run(models, index, setting)

@@ -30,7 +30,7 @@ MIXES = {
 def _check(batch: dict, dtype: torch.dtype, truth_batch: dict | None = None) -> None:
     scale = batch["q"].shape[-1] ** -0.5
     prefills = find_long_prefills(batch["query_start_loc"].numpy(), batch["seq_lens"].numpy(),
-                                  MIN_QUERIES)  # fmt: skip
+                                  MIN_QUERIES, 0)  # fmt: skip
     assert prefills
     covered = int(batch["query_start_loc"][-1])
     out = paged_attention(**batch, scale=scale, out=torch.full_like(batch["q"], float("nan")),
@@ -68,10 +68,19 @@ def test_long_prefill_over_an_fp8_cache() -> None:
 def test_long_prefills_are_found_from_the_host_arrays() -> None:
     query_start_loc = np.array([0, 1, 13, 22, 22, 25, 45], dtype=np.int32)
     seq_lens = np.array([5, 12, 50, 4, 10, 36], dtype=np.int32)
-    assert find_long_prefills(query_start_loc, seq_lens, 9) == (
+    assert find_long_prefills(query_start_loc, seq_lens, 9, 0) == (
         LongPrefill(1, 1, 12, 12), LongPrefill(2, 13, 9, 50), LongPrefill(5, 25, 20, 36))
-    assert find_long_prefills(query_start_loc, seq_lens, 13) == (LongPrefill(5, 25, 20, 36),)
-    assert find_long_prefills(query_start_loc, seq_lens, None) == ()
+    assert find_long_prefills(query_start_loc, seq_lens, 13, 0) == (LongPrefill(5, 25, 20, 36),)
+    # Queries x context: 144, 450 and 720 pairs.
+    assert find_long_prefills(query_start_loc, seq_lens, 9, 450) == (
+        LongPrefill(2, 13, 9, 50), LongPrefill(5, 25, 20, 36))
+    assert find_long_prefills(query_start_loc, seq_lens, None, 0) == ()
+    # On a GPU: a 32k chunk over 32k of context (2^30 pairs) does not overflow.
+    big = find_long_prefills(np.array([0, 32768], dtype=np.int32),
+                             np.array([65536], dtype=np.int32), 2048)
+    assert big == (LongPrefill(0, 0, 32768, 65536),)
+    assert find_long_prefills(np.array([0, 4096], dtype=np.int32),
+                              np.array([4096], dtype=np.int32), 2048) == ()
 
 
 @pytest.mark.parametrize("over_context", ["cpu", "lower_right"])
