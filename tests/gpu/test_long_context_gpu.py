@@ -48,11 +48,19 @@ def _long_workload(seed: int) -> Workload:
     return Workload([Req(f"long-{i}", p, params) for i, p in enumerate(prompts)])
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_long_prompts_fp32(long_model, block_size):
+# Chunks of 2,048 tokens run the paged kernel; of 8,192 over thousands of cached tokens,
+# SDPA over the context gathered from the cache (``pagoda_kernels.attention.LongPrefill``).
+@pytest.mark.parametrize("block_size,budget", [(16, 2048), (32, 8192)])
+def test_long_prompts_fp32(long_model, monkeypatch, block_size, budget):
+    import pagoda_kernels.attention as attention
+
+    calls = []
+    sdpa = attention._sdpa_prefill
+    monkeypatch.setattr(attention, "_sdpa_prefill",
+                        lambda q, *args: calls.append(len(q)) or sdpa(q, *args))
     folder, reference = long_model
     engine = cuda_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-                         max_num_batched_tokens=2048, enable_prefix_caching=True,
+                         max_num_batched_tokens=budget, enable_prefix_caching=True,
                          block_size=block_size, num_kv_blocks=40960 // block_size)  # fmt: skip
     try:
         workload = _long_workload(block_size)
@@ -61,6 +69,7 @@ def test_long_prompts_fp32(long_model, block_size):
     finally:
         engine.shutdown()
     report = compare(results, reference)
-    print(f"\nlong context block {block_size}: {report.summary()}")
+    print(f"\nlong context block {block_size} budget {budget}: {report.summary()}")
     assert report.max_abs_diff <= FP32_TOL, report.summary()
     assert report.argmax_mismatches == 0, report.summary()
+    assert bool(calls) == (budget == 8192), calls
