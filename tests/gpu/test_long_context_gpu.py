@@ -72,4 +72,4 @@ def test_long_prompts_fp32(long_model, monkeypatch, block_size, budget):
     print(f"\nlong context block {block_size} budget {budget}: {report.summary()}")
     assert report.max_abs_diff <= FP32_TOL, report.summary()
     assert report.argmax_mismatches == 0, report.summary()
-    assert bool(calls) == (budget == 8192), calls
+    assert any(n >= 2048 for n in calls) == (budget == 8192), calls  # (not the start-up check)
