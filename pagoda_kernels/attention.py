@@ -208,10 +208,25 @@ def _with_long_prefills(
             )  # fmt: skip
         if prefill.num_queries:
             rows = slice(prefill.q_start, prefill.q_start + prefill.num_queries)
-            _sdpa_prefill(q[rows], k_cache, v_cache, block_tables[prefill.seq],
-                          prefill.context_len, scale, k_scale, v_scale, out[rows], mode)
+            try:
+                _sdpa_prefill(q[rows], k_cache, v_cache, block_tables[prefill.seq],
+                              prefill.context_len, scale, k_scale, v_scale, out[rows], mode)
+            except RuntimeError as error:  # a limit the start-up check's sizes did not meet
+                _warn_once(f"SDPA failed on a long prefill ({prefill}), which runs the paged "
+                           f"kernel instead: {error}")
+                paged_attention(
+                    q[rows], k_cache, v_cache, block_tables[prefill.seq : prefill.seq + 1],
+                    seq_lens[prefill.seq : prefill.seq + 1],
+                    query_start_loc[prefill.seq : prefill.seq + 2] - prefill.q_start, scale,
+                    out[rows], None, k_scale, v_scale,
+                )  # fmt: skip
         first_seq, first_row = prefill.seq + 1, prefill.q_start + prefill.num_queries
     return out
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 @dataclass(frozen=True)

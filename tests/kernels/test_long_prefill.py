@@ -137,3 +137,18 @@ def test_the_sdpa_mode_is_checked_against_the_reference(monkeypatch) -> None:
     assert attention._sdpa_mode(*args) is None
     attention._sdpa_mode.cache_clear()
     assert attention.long_prefill_min_queries(cpu, *args[1:]) is None  # never on CPU
+
+
+def test_a_long_prefill_sdpa_fails_on_runs_the_paged_kernel(monkeypatch) -> None:
+    """A limit the start-up check's small probe did not meet fails one call: that sequence
+    runs the paged kernel, and the step's result is the same."""
+    import pagoda_kernels.attention as attention
+
+    def failing(*args):
+        raise RuntimeError("cuDNN: sequence too long")
+
+    attention._sdpa_mode(torch.device("cpu"), torch.float32, 6, 2, 64)  # checked, cached
+    monkeypatch.setattr(attention, "_sdpa_prefill", failing)
+    torch.manual_seed(3)
+    batch = make_batch(*MIXES["side by side, between others"], 6, 2, 64, 16, torch.float32)
+    _check(batch, torch.float32)
