@@ -89,7 +89,7 @@ def main() -> None:
                                                   return_mode="median")
                 rows.append(dict(shape=shape, decodes=decodes, queries=queries, context=context,
                                  paged_ms=round(paged_ms, 4), sdpa_ms=round(sdpa_ms, 4),
-                                 max_abs_diff=diff, sdpa_mode=mode))
+                                 max_abs_diff=diff, sdpa_mode=str(mode)))
                 print(f"{shape:>5} {decodes:>7} {queries:>7} {context:>7} {paged_ms:>9.3f} "
                       f"{sdpa_ms:>8.3f} {paged_ms / sdpa_ms:>7.2f}x {diff:>9.2e}", flush=True)
                 del batch

@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 
 # A sequence takes the SDPA path on a GPU (``long_prefill_min_queries``) with this many
 # query tokens or more in a step and this many (query, key) pairs, its queries times its
-# context: measured on an H100 (``benchmarks/long_prefill_check.py``), SDPA wins from 2^25
-# pairs on (1.1-2.2x) and loses below it (a 2k or 4k prompt from scratch: 0.5-0.7x with
-# the host work of the split and the eager step).
+# context: measured on an H100 (``benchmarks/long_prefill_check.py``, RESULTS.md), SDPA
+# wins on every row from 2^25 pairs up (1.57-2.38x) and loses on 1k and 2k prompts from
+# scratch (0.4-0.7x: the host work of the split and the eager step).
 LONG_PREFILL_MIN_QUERIES = 2048
 LONG_PREFILL_MIN_PAIRS = 1 << 25
 
