@@ -323,7 +323,7 @@ class EngineConfig:
                 "> 1 is not supported yet: the draft runs in the engine process, beside no "
                 "shard of the target; n-gram lookup (method 'ngram') runs at any "
                 "tensor_parallel_size")
-        if self.speculative() is not None and self.enable_lora:
+        if speculative is not None and self.enable_lora:
             raise ValueError(
                 "speculative_config with enable_lora is not supported yet: the draft and "
                 "verify steps run the base model only; serve adapters without speculation")

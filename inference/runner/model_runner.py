@@ -177,15 +177,15 @@ class ModelRunner:
     def _one_sequence_metadata(self, num_tokens: int) -> AttentionMetadata:
         """A prompt of ``num_tokens`` in blocks 0, 1, ... (profiling and warm-up runs)."""
         max_blocks = -(-num_tokens // self.block_size)
-        minimum = self.long_prefill_min_queries
-        long = minimum is not None and num_tokens >= minimum
+        long_prefills = find_long_prefills(
+            np.array([0, num_tokens]), np.array([num_tokens]), self.long_prefill_min_queries)
         return AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             block_tables=torch.arange(max_blocks, device=self.device, dtype=torch.int32)[None],
             seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
             query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
             max_query_len=num_tokens,
-            long_prefills=(LongPrefill(0, 0, num_tokens, num_tokens),) if long else (),
+            long_prefills=long_prefills,
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
