@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from functools import partial
@@ -107,6 +107,16 @@ class _LaunchedStep:
         return self._output
 
 
+@dataclass
+class _FillAhead:
+    """The masks of a launched step's constrained sequences, being filled on their own
+    thread for the next launch (``LLMEngine._start_fill_ahead``)."""
+
+    step: _LaunchedStep
+    matchers: list
+    future: Future
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         ensure_writable_kernel_cache()
@@ -152,6 +162,12 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: _LaunchedStep | None = None
         self._pending_outputs: list[RequestOutput] = []
+        # Structured outputs with async scheduling on one device: once a step is launched,
+        # a thread of its own waits for its tokens, advances its matchers by them and fills
+        # their next masks (``_fill_ahead``), while this thread completes the step before
+        # and schedules and launches the next, whose sampler then only takes the masks.
+        self._fill_ahead_pool: ThreadPoolExecutor | None = None
+        self._filled_ahead: _FillAhead | None = None
         # A live change waiting for its CUDA graphs (``begin_reconfigure``).
         self._live_change: LiveChange | None = None
         self._next_seq_id = 0
@@ -357,6 +373,8 @@ class LLMEngine:
         if launched is not None and (not self.async_scheduling or launched.needs_sync):
             self._in_flight = None
             self._complete(launched, outputs)
+        if self._in_flight is not None and self._in_flight.has_grammar:
+            self._start_fill_ahead(self._in_flight)
         return outputs
 
     def _propose_drafts(self, outputs: list[RequestOutput]) -> None:
@@ -482,21 +500,71 @@ class LLMEngine:
         )
 
     def _fill_bitmask(self, in_flight: _LaunchedStep | None, matchers: list) -> np.ndarray:
-        if in_flight is not None:
-            self._advance_grammars(in_flight)
+        ahead = self._join_fill_ahead(in_flight) if in_flight is not None else None
+        if ahead is None:
+            if in_flight is not None:
+                self._advance_grammars(in_flight)
+            return self.grammars.fill_bitmask(matchers)
+        filled, bitmask = ahead
+        if len(filled) == len(matchers) and all(a is b for a, b in zip(filled, matchers)):
+            return bitmask
+        # The batch changed since (admissions, preemptions, finishes): rows filled ahead
+        # are taken, the others filled now.
+        index = {id(m): row for row, m in enumerate(filled)}
+        rows = [index.get(id(m), -1) for m in matchers]
+        mask = bitmask[[max(row, 0) for row in rows]]
+        missing = [i for i, row in enumerate(rows) if row < 0]
+        if missing:
+            mask[missing] = self.grammars.fill_bitmask([matchers[i] for i in missing])
+        return mask
+
+    def _start_fill_ahead(self, step: _LaunchedStep) -> None:
+        """On a thread of its own: wait for the launched ``step``'s tokens, advance its
+        constrained sequences' matchers by them and fill their next masks. Only that
+        thread touches those matchers until ``_join_fill_ahead``. Steps verifying drafts
+        (reading them splits rows) and executors whose results must be read on the
+        launching thread keep the fill inside the next launch."""
+        if (not self.runner.concurrent_results or step.split is not None
+                or step.grammar_ended is not None):
+            return
+        rows = self._grammar_rows(step)
+        if not rows:
+            return
+        if self._fill_ahead_pool is None:
+            self._fill_ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="fill-ahead")
+        matchers = [step.seqs[i].grammar for i in rows]
+        future = self._fill_ahead_pool.submit(self._fill_ahead, step, rows, matchers)
+        self._filled_ahead = _FillAhead(step, matchers, future)
+
+    def _fill_ahead(self, step: _LaunchedStep, rows: list[int], matchers: list) -> np.ndarray:
+        self._advance_grammars(step, rows)
         return self.grammars.fill_bitmask(matchers)
 
-    def _advance_grammars(self, step: _LaunchedStep) -> None:
-        """Feed a step's sampled tokens to its constrained sequences' matchers, once."""
+    def _join_fill_ahead(self, step: _LaunchedStep) -> tuple[list, np.ndarray] | None:
+        """Wait for a fill ahead of ``step`` (its matchers and their masks) or for any
+        other still running (whose masks are dropped); None when none ran for ``step``."""
+        ahead, self._filled_ahead = self._filled_ahead, None
+        if ahead is None:
+            return None
+        bitmask = ahead.future.result()
+        return (ahead.matchers, bitmask) if ahead.step is step else None
+
+    @staticmethod
+    def _grammar_rows(step: _LaunchedStep) -> list[int]:
+        return [
+            i for i, seq in enumerate(step.seqs) if seq.grammar is not None and not seq.is_finished
+        ]
+
+    def _advance_grammars(self, step: _LaunchedStep, rows: list[int] | None = None) -> None:
+        """Feed a step's sampled tokens to its constrained sequences' matchers (``rows``,
+        default: those still running), once."""
         if step.grammar_ended is not None or not step.has_grammar:
             return
         step.grammar_ended = {}
         sampled = step.result()
         if sampled is None:
             return
-        rows = [
-            i for i, seq in enumerate(step.seqs) if seq.grammar is not None and not seq.is_finished
-        ]
+        rows = self._grammar_rows(step) if rows is None else rows
         if rows:
             ended = self.grammars.advance(
                 [step.seqs[i].grammar for i in rows], [sampled.token_ids[i] for i in rows]
@@ -507,6 +575,8 @@ class LLMEngine:
         """Put a launched step's sampled tokens in place of their placeholders, then let the
         output processor take each one in (text, logprobs, stop conditions) and emit
         outputs; sequences that stopped leave the scheduler."""
+        if self._filled_ahead is not None:
+            self._join_fill_ahead(step)  # its masks, if any, are for a launch that did not come
         sampled = step.result()
         self.device_wait_s_total += step.wait_s
         if sampled is None:
@@ -683,6 +753,10 @@ class LLMEngine:
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()
+        pool = getattr(self, "_fill_ahead_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._filled_ahead = None
         self.requests = {}
         self._in_flight = None
         self._pending_outputs = []

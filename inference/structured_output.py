@@ -16,18 +16,19 @@ Off the engine's critical path:
     cached by the constraint's key, several independent ones a constraint
     (``MatcherTemplates``), and each sequence gets a cheap copy of one of them;
   * the per-step masks of all constrained rows are filled by llguidance's own thread pool
-    with the GIL released (``fill_bitmask``), after the step's forward pass has been queued
-    on the GPU, so on a GPU the fill overlaps the forward pass; rows copied from different
-    templates fill in parallel.
+    with the GIL released (``fill_bitmask``); rows copied from different templates fill in
+    parallel.
 
 Constrained rows keep async scheduling: the mask for step n+1 needs step n's tokens, but
-the forward pass of step n+1 does not. So step n+1 is queued first (its inputs hold step
-n's tokens as placeholders on the device), and only then does its sampler, through the
-deferred fill, wait for step n's tokens, advance the matchers by them (``advance``, once
-per step) and fill the mask, while the device runs the forward pass; step
-n's stop checks then run while the device samples. A matcher has consumed exactly its
-sequence's resolved output tokens. Preemption keeps a sequence's tokens, so its matcher
-stays valid through recomputation.
+the forward pass of step n+1 does not. Once step n is launched (on one device), a thread
+of the engine's waits for its tokens, advances the matchers by them (``advance``, once per
+step) and fills their next masks, while the engine thread completes step n-1 and
+schedules and queues step n+1's forward pass; step n+1's sampler then takes the masks
+(rows the batch gained meanwhile are filled then). So on a GPU the grammar work overlaps
+both the host's other work and the forward pass. Under tensor parallelism the fill runs
+inside the launch, after the forward pass has been queued. A matcher has consumed exactly
+its sequence's resolved output tokens. Preemption keeps a sequence's tokens, so its
+matcher stays valid through recomputation.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ class ModelExecutor(Protocol):
     """Start-up (size the KV cache, allocate it, capture graphs), steps, health, shutdown."""
 
     load_seconds: float  # loading the weights, for the start-up report
+    # Whether a launched step's ``result()`` may be called from another thread while this
+    # one launches the next step (the engine then reads a constrained step's tokens and
+    # fills the next grammar masks on a thread of their own).
+    concurrent_results: bool
 
     @property
     def bytes_per_block(self) -> int:

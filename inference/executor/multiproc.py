@@ -70,6 +70,9 @@ _SHUTDOWN_GRACE_S = 5.0
 
 
 class MultiprocExecutor:
+    # A step's result may send on the workers' pipe (``Flush``), which launches also use.
+    concurrent_results = False
+
     def __init__(
         self,
         config: ResolvedEngineConfig,

@@ -53,6 +53,9 @@ _GIB = 1 << 30
 
 
 class ModelRunner:
+    # A step's result waits on a CUDA event and reads pinned memory: any thread may.
+    concurrent_results = True
+
     def __init__(
         self,
         config: ResolvedEngineConfig,
