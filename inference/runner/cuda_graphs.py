@@ -30,6 +30,8 @@ from inference.runner.step_inputs import StepInputs
 
 # The model over one step's tokens: (input ids, positions, attention metadata) -> hidden.
 StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# What decode graphs record after the forward, on its output (a draft model's greedy pick).
+DecodeHead = Callable[[torch.Tensor], torch.Tensor]
 
 
 # Token counts at which mixed steps (prefills, chunked prefills, prefills with decodes)
@@ -188,7 +190,11 @@ class StepGraphs:
 
     Inputs live in static buffers that each step overwrites in place; outputs of padding
     rows are ignored. Graphs recorded later for raised limits (``GraphExtension``) bring
-    buffers of their own; each graph is staged through the buffers it reads."""
+    buffers of their own; each graph is staged through the buffers it reads. With a
+    ``decode_head`` the decode graphs end in it: their replays return its output.
+
+    A replay's output is the graph's own tensor, overwritten by the next replay of that
+    graph: read it (or copy it) before then, in stream order."""
 
     def __init__(
         self,
@@ -197,11 +203,14 @@ class StepGraphs:
         max_num_batched_tokens: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        decode_head: DecodeHead | None = None,
     ) -> None:
         """Captures every graph the limits need. ``forward``: the model over a step
         (recorded into the graphs); the limits are the scheduler's (``max_num_seqs``,
-        ``max_num_batched_tokens``) and the block-table width of the longest sequence."""
+        ``max_num_batched_tokens``) and the block-table width of the longest sequence;
+        ``decode_head``: recorded after the forward in decode graphs only."""
         self.forward = forward
+        self.decode_head = decode_head
         self.device = device
         self.max_blocks = max_blocks_per_seq
         self.graphs: dict[tuple[str, int], _Graph] = {}
@@ -220,18 +229,23 @@ class StepGraphs:
             for kind, size in shapes:
                 args = buffers.capture_inputs(kind, size)
                 t0 = time.perf_counter()
-                forward(*args)  # compile/warm every kernel outside the capture
+                self.graph_forward(kind, args)  # compile/warm every kernel outside the capture
                 torch.cuda.synchronize(device)
                 self.warmed_tokens.add(size)
                 t1 = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = forward(*args)
+                    out = self.graph_forward(kind, args)
                 self.graphs[kind, size] = _Graph(graph, out, buffers, buffers.rows(kind, size))
                 self.eager_seconds += t1 - t0
                 self.record_seconds += time.perf_counter() - t1
         torch.cuda.synchronize(device)
         self._index()
+
+    def graph_forward(self, kind: str, args: tuple) -> torch.Tensor:
+        """What a graph of ``kind`` records: the forward, then (decode) the decode head."""
+        out = self.forward(*args)
+        return out if kind != "decode" or self.decode_head is None else self.decode_head(out)
 
     def _index(self) -> None:
         self.batch_sizes = sorted(size for kind, size in self.graphs if kind == "decode")
@@ -351,7 +365,7 @@ class GraphExtension:
         start = time.perf_counter()
         cold = [(k, s) for k, s in self.shapes if s not in self.base.warmed_tokens]
         for kind, size in cold:
-            self.base.forward(*self.buffers.capture_inputs(kind, size))
+            self.base.graph_forward(kind, self.buffers.capture_inputs(kind, size))
         torch.cuda.synchronize(self.base.device)
         self.warm_up_seconds = time.perf_counter() - start
 
@@ -377,7 +391,7 @@ class GraphExtension:
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(self.base.pool, capture_error_mode="thread_local")
                 try:
-                    out = self.base.forward(*args)
+                    out = self.base.graph_forward(kind, args)
                 except BaseException:
                     with contextlib.suppress(Exception):  # the forward's error is the one
                         graph.capture_end()

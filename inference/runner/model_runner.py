@@ -32,7 +32,12 @@ from inference.models.config import ModelConfig
 from inference.models.eagle3 import aux_layer_ids
 from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
-from inference.runner.cuda_graphs import DECODE_GRAPH_BATCHES, GraphExtension, StepGraphs
+from inference.runner.cuda_graphs import (
+    DECODE_GRAPH_BATCHES,
+    DecodeHead,
+    GraphExtension,
+    StepGraphs,
+)
 from inference.runner.step_inputs import StepInputs, build_step_inputs, resolve_placeholders
 from inference.sampler import (
     SampledTokens,
@@ -310,9 +315,11 @@ class ModelRunner:
         )
         return to_device(inputs.input_ids), to_device(inputs.positions), meta
 
-    def capture_graphs(self) -> float:
+    def capture_graphs(self, decode_head: DecodeHead | None = None) -> float:
         """CUDA graphs for decode and mixed steps (``StepGraphs``); returns seconds spent.
-        On CPU nothing to do; with ``enforce_eager`` only the warm-up."""
+        On CPU nothing to do; with ``enforce_eager`` only the warm-up. ``decode_head``: the
+        decode graphs end in it (a draft model's pick), so a decode step that replays one
+        returns the head's output, not hidden states."""
         if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
@@ -322,7 +329,7 @@ class ModelRunner:
             before = torch.cuda.memory_reserved(self.device)
             self.graphs = StepGraphs(
                 self.forward, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                -(-self.config.max_model_len // self.block_size), self.device,
+                -(-self.config.max_model_len // self.block_size), self.device, decode_head,
             )  # fmt: skip
             # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
             logger.info(

@@ -18,6 +18,13 @@ sequence remembers how many of its leading positions hold the draft's KV
   position past the accepted ones held a rejected guess, and the next round writes over
   it (``min`` with ``num_computed_tokens``).
 
+A drafting round is one forward for each draft, queued without waiting: a catch-up over
+the tokens the draft has not run (in steady state one or two a sequence, one decode row a
+token: ``_MAX_TOKEN_ROWS``), then one decode row a sequence for each further draft, fed the
+previous pick on the device. On a GPU each is one replay of a decode graph that ends in the
+LM head and the argmax (``_pick``); only a longer catch-up (a new prompt, a sequence that
+did not draft for a while) runs a mixed step and then the head eagerly.
+
 Drafts are the draft model's argmax. The target's rejection sampler treats any proposal
 as a point mass (``inference.spec_decode.rejection``), which keeps the target's
 distribution exactly whatever the draft proposes; greedy drafts are simply the ones a
@@ -47,6 +54,14 @@ from inference.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
+# A verified round leaves a sequence's draft KV one token behind its tokens (a draft was
+# rejected: the target's token after the accepted ones) or two (all were accepted: the last
+# draft, never run through the draft, and the target's token after it). The catch-up runs
+# up to this many tokens a sequence as decode rows, one a token: rows of one sequence at
+# consecutive positions read each other's KV, as the tokens of one query do (each layer
+# writes every row's KV before any row attends).
+_MAX_TOKEN_ROWS = 2
+
 
 @dataclasses.dataclass
 class _DraftKV:
@@ -73,10 +88,17 @@ def draft_engine_config(
         raise ValueError(
             f"speculative_config draft model {spec.model!r} attends to {limit} tokens, fewer "
             f"than max_model_len={target.max_model_len}")
+    # Its steps' rows: at most disable_by_batch_size sequences draft, with up to
+    # _MAX_TOKEN_ROWS rows each in a catch-up (and a step has no more rows than tokens). Its
+    # decode graphs (which end in the LM head: [rows, vocab] logits in the graph pool) go
+    # no larger.
+    max_num_seqs = min(_MAX_TOKEN_ROWS * min(target.max_num_seqs, spec.disable_by_batch_size),
+                       target.max_num_batched_tokens)
     config = dataclasses.replace(
         target, model=str(path), tokenizer=None, speculative_config=None,
         load_format=extra.get("load_format", target.load_format),
         quantization=resolve_quantization(None, model_config.quantization_config),
+        max_num_seqs=max_num_seqs,
     )  # fmt: skip
     return config, model_config, str(path)
 
@@ -124,9 +146,10 @@ class DraftModelProposer:
         return self.runner.bytes_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """As many blocks as the target's: the target's block ids index both caches."""
+        """As many blocks as the target's: the target's block ids index both caches. The
+        decode graphs end in the LM head and the pick (``_pick``)."""
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs()
+        self.runner.capture_graphs(decode_head=self._pick)
 
     def close(self) -> None:
         self.runner.close()
@@ -141,31 +164,29 @@ class DraftModelProposer:
         """Overwrite each sequence's ``draft_token_ids`` (all known tokens; its KV slots
         allocated for them by this step's schedule) with the draft model's greedy guesses.
 
-        The guesses stay on the device between the draft's forwards: a forward reads the
-        previous one's picks as placeholders (``-1 - i`` stands for ``sampled_ids[i]``,
-        resolved inside the captured graph), so the host queues every forward of the
-        round without waiting and reads all guesses back once, at the end."""
+        The guesses stay on the device between the draft's forwards: each forward leaves
+        its picks in ``sampled_ids`` and the next reads them as placeholders (``-1 - r``
+        stands for ``sampled_ids[r]``, resolved inside the captured graph), so the host
+        queues every forward of the round without waiting and reads all guesses back once,
+        at the end."""
         seqs = [s for s in seqs if s.draft_token_ids]
         if not seqs:
             return
         starts = [self._valid_prefix(seq) for seq in seqs]
-        picks = self._catch_up(seqs, starts)
-        rounds = [(seqs, picks)]
-        rows = seqs
-        sampled_ids = self.runner.sampled_ids
+        picks, rows = self._catch_up(seqs, starts)
+        forwards = [(picks, rows)]  # each forward's picks; sequence index -> its row there
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
-            keep = [i for i, s in enumerate(rows) if len(s.draft_token_ids) > j]
-            sampled_ids[: len(rows)].copy_(picks)
-            rows = [rows[i] for i in keep]
-            positions = [s.num_tokens - 1 + j for s in rows]
-            picks = self._forward(rows, [[-1 - i] for i in keep], positions, sample=rows)
-            rounds.append((rows, picks))
-        values = torch.cat([p for _, p in rounds]).tolist()  # the round's one wait
+            live = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+            picks = self._forward([seqs[i] for i in live], [[-1 - rows[i]] for i in live],
+                                  [seqs[i].num_tokens - 1 + j for i in live])
+            rows = {i: row for row, i in enumerate(live)}
+            forwards.append((picks, rows))
+        values = torch.cat([picks for picks, _ in forwards]).tolist()  # the round's one wait
         at = 0
-        for j, (rows, _) in enumerate(rounds):
-            for seq, token in zip(rows, values[at : at + len(rows)]):
-                seq.draft_token_ids[j] = token
-            at += len(rows)
+        for j, (picks, rows) in enumerate(forwards):
+            for i, row in rows.items():
+                seqs[i].draft_token_ids[j] = values[at + row]
+            at += len(picks)
         for seq in seqs:  # positions up to the last draft's are written, not that one
             self._kv[seq].num_tokens = seq.num_tokens - 1 + len(seq.draft_token_ids)
 
@@ -177,53 +198,81 @@ class DraftModelProposer:
         state.num_tokens = min(state.num_tokens, seq.num_computed_tokens)
         return state.num_tokens
 
-    def _catch_up(self, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
+    def _catch_up(
+        self, seqs: list[Sequence], starts: list[int]
+    ) -> tuple[torch.Tensor, dict[int, int]]:
         """Run the tokens from each sequence's valid prefix to its last token through the
-        draft (in chunks of the step budget); returns the first draft of each, on the
-        device. A chunk takes the sequences in order, so they finish (and are sampled) in
-        order."""
+        draft (in chunks of the step budget); returns the picks (on the device, and in
+        ``sampled_ids``) and, per sequence index, the row of its first draft there.
+
+        Where no sequence lags by more than ``_MAX_TOKEN_ROWS`` tokens (every round after
+        the first), each token is a row of its own: a decode step, which replays a decode
+        graph like the round's other forwards. Otherwise a row is a sequence's chunk; a
+        chunk takes the sequences in order."""
+        one_per_row = max(s.num_tokens - n for s, n in zip(seqs, starts)) <= _MAX_TOKEN_ROWS
         parts: list[torch.Tensor] = []
+        last_rows: dict[int, int] = {}
         done = list(starts)
-        while done[-1] < seqs[-1].num_tokens:
+        at = 0
+        while len(last_rows) < len(seqs):
             budget = self.max_num_batched_tokens
-            rows, chunks, positions, sample = [], [], [], []
+            rows, chunks, positions = [], [], []
             for i, seq in enumerate(seqs):
-                if done[i] == seq.num_tokens or budget <= 0:
-                    continue
                 n = min(seq.num_tokens - done[i], budget)
-                rows.append(seq)
-                chunks.append(seq.token_ids[done[i] : done[i] + n])
-                positions.append(done[i])
+                if n <= 0:  # caught up, or the budget spent
+                    continue
+                width = 1 if one_per_row else n
+                for start in range(done[i], done[i] + n, width):
+                    rows.append(seq)
+                    chunks.append(seq.token_ids[start : start + width])
+                    positions.append(start)
                 done[i] += n
                 budget -= n
                 if done[i] == seq.num_tokens:
-                    sample.append(seq)
-            parts.append(self._forward(rows, chunks, positions, sample))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+                    last_rows[i] = at + len(rows) - 1
+            parts.append(self._forward(rows, chunks, positions))
+            at += len(rows)
+        if len(parts) == 1:
+            return parts[0], last_rows
+        # Each chunk left its picks at the start of sampled_ids: the first drafts go there.
+        picks = torch.cat(parts)[self._on_device([last_rows[i] for i in range(len(seqs))])]
+        self.runner.sampled_ids[: len(picks)].copy_(picks)
+        return picks, {i: i for i in range(len(seqs))}
 
     @torch.inference_mode()
     def _forward(
-        self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int],
-        sample: list[Sequence],
+        self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int]
     ) -> torch.Tensor:
         """One draft forward: ``chunks[i]`` at positions from ``starts[i]`` of ``seqs[i]``;
-        the argmax after the last token of each sequence in ``sample``, on the device
+        the pick after each row's last token, on the device and in ``sampled_ids[:rows]``
         (queued, not waited for)."""
         inputs = chunk_step_inputs(seqs, chunks, starts, self.block_size)
+        graphs = self.runner.graphs
+        if inputs.max_query_len == 1 and graphs is not None and graphs.fits(inputs):
+            # Decode graphs end in ``_pick``. Their output is overwritten by the graph's
+            # next replay (the round's next forward, at the same batch): copied.
+            return graphs.run(inputs).clone()
         hidden = self.runner.run_model(inputs)
-        if not sample:
-            return torch.empty(0, dtype=torch.int64, device=hidden.device)
-        if len(sample) < len(seqs) or inputs.max_query_len > 1:
-            chosen = {id(s) for s in sample}
-            ends = inputs.query_start_loc[1:] - 1
-            rows = torch.tensor([int(ends[i]) for i, s in enumerate(seqs) if id(s) in chosen])
-            if hidden.device.type == "cuda":
-                # From pinned memory: a copy from pageable memory waits for the stream, so
-                # the host could not queue the round's next forwards behind this one.
-                rows = rows.pin_memory()
-            hidden = hidden[rows.to(hidden.device, non_blocking=True)]
+        if inputs.max_query_len > 1:
+            hidden = hidden[self._on_device(inputs.query_start_loc[1:] - 1)]
+        return self._pick(hidden)
+
+    def _pick(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy pick, also left in ``sampled_ids`` for the next forward's
+        placeholders. Recorded at the end of the draft's decode graphs."""
         logits = self.runner.model.compute_logits(hidden)
-        return logits[:, : self.num_proposable].argmax(dim=-1)
+        picks = logits[:, : self.num_proposable].argmax(dim=-1)
+        self.runner.sampled_ids[: len(picks)].copy_(picks)
+        return picks
+
+    def _on_device(self, rows: np.ndarray | list[int]) -> torch.Tensor:
+        """Row indices on the device, queued: from pinned memory on a GPU (a copy from
+        pageable memory waits for the stream, so the host could not queue the round's next
+        forwards behind this one)."""
+        index = torch.as_tensor(rows, dtype=torch.int64)
+        if self.runner.device.type == "cuda":
+            index = index.pin_memory()
+        return index.to(self.runner.device, non_blocking=True)
 
 
 def chunk_step_inputs(

@@ -18,6 +18,7 @@ import torch
 from tiny_models import build_successor_model, build_tiny_model, build_tokenizer
 
 from inference import LLM, SamplingParams
+from inference.runner.model_runner import ModelRunner
 from inference.server.metrics import ServerMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -325,6 +326,34 @@ def test_draft_model_greedy_output_is_unchanged(cycling, perturbed_draft, engine
     if "num_kv_blocks" in engine:
         assert itself.engine.scheduler.num_preemptions > 0
         assert perturbed.engine.scheduler.num_preemptions > 0
+
+
+def test_draft_model_rounds_after_the_first_are_decode_steps(cycling, perturbed_draft,
+                                                            monkeypatch):
+    """After its first round a sequence's draft lags by one token (a draft was rejected) or
+    two (all were accepted): the catch-up runs them as decode rows, one a token, so every
+    draft forward but the prompts' is a decode step (on a GPU: a decode graph replay that
+    ends in the pick). The target as its own draft (all accepted: two rows a sequence) and
+    a perturbed copy (one or two); the plain engine's output both times."""
+    calls = []
+    run_model = ModelRunner.run_model
+
+    def recording(self, inputs):
+        calls.append((self, inputs.max_query_len))
+        return run_model(self, inputs)
+
+    monkeypatch.setattr(ModelRunner, "run_model", recording)
+    folder, tokenizer = cycling
+    prompts, params = _cycling_workload(tokenizer)
+    for draft in (folder, perturbed_draft):
+        calls.clear()
+        llm = _compare(folder, prompts, params, speculative=_draft(draft))
+        runner = llm.engine.spec_decoder.draft.runner
+        query_lens = [n for caller, n in calls if caller is runner]
+        assert len(query_lens) > 4 * len(prompts)
+        assert sum(n > 1 for n in query_lens) == 1, query_lens  # the prompts' catch-up
+        # Its graphs go up to its largest step: two rows for each sequence that may draft.
+        assert runner.config.max_num_seqs == 2 * 32
 
 
 def test_draft_model_is_lossless_on_a_random_model(random_llama, tmp_path):

@@ -104,6 +104,35 @@ def test_matrix_spec_decode_fp32(models, index):
     assert report.argmax_mismatches == 0, context
 
 
+@pytest.mark.parametrize("engine", [
+    {},  # CUDA graphs, async scheduling
+    {"async_scheduling": False},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # long catch-ups in chunks
+])  # fmt: skip
+def test_draft_model_decode_graphs_pick_the_drafts(cycling, engine):
+    """A draft model's decode graphs end in its LM head and argmax, each fed the previous
+    forward's picks on the device: with the cycling model as its own draft nearly every
+    draft is accepted (a wrong pick or placeholder would show as rejections), and the
+    output is the plain engine's."""
+    folder, _ = cycling
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [20, 21, 22, 1, 20, 21], [12, 13, 14, 10, 11],
+               [10, 11, 12, 13, 14] * 3] * 2  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]  # fmt: skip
+    settings = {"device": "cuda", "dtype": "float32", "max_model_len": 160, "block_size": 4,
+                "seed": 0, "num_kv_blocks": 400, **engine}  # fmt: skip
+    draft = {"method": "draft_model", "model": folder, "num_speculative_tokens": 4}
+    with LLM(folder, **settings) as plain:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(folder, speculative_config=draft, **settings) as spec:
+        assert spec.engine.spec_decoder.draft.runner.graphs is not None
+        got = spec.generate(prompts, params, use_tqdm=False)
+        counters = spec.engine.spec_decoder.counters
+    assert _summary(got) == _summary(want)
+    np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-3)
+    assert counters.num_accepted_tokens / counters.num_draft_tokens > 0.9, counters
+
+
 # -- draft_model: the target as its own draft (drafts accepted) and the matrix's model of
 # another architecture's weights would differ in vocabulary; so a perturbed copy instead.
 def _perturbed_copy(source: str, folder) -> str:
