@@ -231,7 +231,7 @@ class DraftModelProposer:
                 if done[i] == seq.num_tokens:
                     last_rows[i] = at + len(rows) - 1
             parts.append(self._forward(rows, chunks, positions))
-            at += len(rows)
+            at += len(parts[-1])  # a decode graph's picks include its padding rows
         if len(parts) == 1:
             return parts[0], last_rows
         # Each chunk left its picks at the start of sampled_ids: the first drafts go there.
