@@ -511,3 +511,29 @@ def test_pipelined_drafts_that_hold_are_proposed_every_step(cycling):
     counters = spec.engine.spec_decoder.counters
     assert counters.num_accepted_tokens == counters.num_draft_tokens == 4 * 8, counters
     assert counters.num_drafts == drafting == 8 and steps <= 8 + 3, (steps, counters)
+
+
+def test_draft_catch_up_finds_each_first_draft_past_a_graphs_padding_rows():
+    """A catch-up in several parts: a part of single tokens replays a decode graph, whose
+    picks include its padding rows (3 rows run as a graph of 4); each sequence's first
+    draft is still its own last token's pick."""
+    from types import SimpleNamespace
+
+    from inference.spec_decode.draft_model import DraftModelProposer
+
+    def forward(rows, chunks, positions):
+        picks = [chunk[-1] + 1000 for chunk in chunks]
+        if all(len(chunk) == 1 for chunk in chunks):  # a decode graph of the next size up
+            picks += [-7] * ((1 << (len(picks) - 1).bit_length()) - len(picks))
+        return torch.tensor(picks)
+
+    fake = SimpleNamespace(
+        max_num_batched_tokens=3, _forward=forward,
+        runner=SimpleNamespace(sampled_ids=torch.zeros(8, dtype=torch.int64)),
+        _on_device=lambda rows: torch.as_tensor(rows, dtype=torch.int64),
+    )  # fmt: skip
+    tokens = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(10, 20))]
+    seqs = [SimpleNamespace(token_ids=t, num_tokens=len(t)) for t in tokens]
+    starts = [2, 1, 3, 5]  # three sequences one token behind, the last five
+    picks, rows = DraftModelProposer._catch_up(fake, seqs, starts)
+    assert [int(picks[rows[i]]) for i in range(4)] == [1003, 1005, 1009, 1019]
