@@ -110,7 +110,8 @@ def build_engine(
                             config.max_loras if config.enable_lora else 0),
         output_processor=OutputProcessor(tokenizer, eos, config.max_model_len),
         # Structured outputs: matchers are built off the step loop.
-        grammars=GrammarCompiler(tokenizer, model_config.vocab_size, sorted(eos)),
+        grammars=GrammarCompiler(tokenizer, model_config.vocab_size, sorted(eos),
+                                 pinned=config.device.startswith("cuda")),
         draft=draft,
     )
 

@@ -44,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from inference.sampling_params import StructuredOutputsParams
 
@@ -171,13 +172,18 @@ _NAMES = {
 class GrammarCompiler:
     """Builds and caches matchers for one tokenizer; fills the batched bitmask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], pinned: bool = False
+    ) -> None:
+        """``pinned``: fill masks in page-locked memory (the sampler copies them to a GPU
+        as they are, with no staging copy)."""
         # The mask spans the model's vocabulary (often padded past the tokenizer's) or the
         # tokenizer's, whichever is larger; the sampler cuts it to the logits' width.
         self.vocab_size = max(vocab_size, len(tokenizer)) if tokenizer is not None else vocab_size
         self.num_words = (self.vocab_size + 31) // 32
         self._hf_tokenizer = tokenizer
         self._eos_token_ids = list(eos_token_ids)
+        self._pinned = pinned
         self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
         # Builds a constraint's further templates, after its first: never ahead of another
         # request's first.
@@ -274,7 +280,7 @@ class GrammarCompiler:
         GIL while llguidance computes (in parallel for more than one row)."""
         import llguidance.numpy as llg_numpy
 
-        bitmask = np.empty((len(matchers), self.num_words), dtype=np.int32)
+        bitmask = self._empty_bitmask(len(matchers))
         if len(matchers) == 1:
             llg_numpy.fill_next_token_bitmask(matchers[0], bitmask, 0)
             return bitmask
@@ -282,6 +288,13 @@ class GrammarCompiler:
             self._llg_executor(), [(m, row) for row, m in enumerate(matchers)], bitmask
         )
         return bitmask
+
+    def _empty_bitmask(self, rows: int) -> np.ndarray:
+        if not self._pinned:
+            return np.empty((rows, self.num_words), dtype=np.int32)
+        # The array keeps its tensor, and with it the block, alive; the caching host
+        # allocator reuses a block only once the copies queued from it are done.
+        return torch.empty((rows, self.num_words), dtype=torch.int32, pin_memory=True).numpy()
 
     def advance(self, matchers: SequenceABC[Any], token_ids: SequenceABC[int]) -> list[bool]:
         """Advance each sequence's matcher by its new token; per matcher, True once the

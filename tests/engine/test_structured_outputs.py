@@ -345,54 +345,13 @@ def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_launch(tmp_pa
     launches the next. The tokens equal those of filling every mask inside the launch
     (same schedule, so same batches), through arrivals between steps, an abort,
     preemption and rows the batch gained since the fill (filled in the launch)."""
-    import threading
+    from structured_workload import ARRIVALS, run_fill_ahead_workload
 
     build_tiny_model(tmp_path, "llama")
-    schemas = [
-        {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]},
-                                          "n": {"type": "integer"}},
-         "required": ["kind", "n"], "additionalProperties": False},
-        {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 5},
-    ]
-    arrivals = {0: 3, 2: 2, 5: 3, 9: 2}  # step -> how many requests arrive before it
-
-    def run(ahead: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
-        with LLM(str(tmp_path), max_model_len=64, device="cpu", block_size=8,
-                 num_kv_blocks=14, max_num_seqs=6) as llm:  # fmt: skip
-            engine = llm.engine
-            assert engine.async_scheduling and engine.runner.concurrent_results
-            engine.runner.concurrent_results = ahead
-            fills = {"ahead": 0, "launch": 0}
-            fill = engine.grammars.fill_bitmask
-
-            def counted(matchers):
-                ahead_thread = threading.current_thread().name.startswith("fill-ahead")
-                fills["ahead" if ahead_thread else "launch"] += 1
-                return fill(matchers)
-
-            engine.grammars.fill_bitmask = counted
-            tokens, step, added = {}, 0, 0
-            while step <= max(arrivals) or engine.has_unfinished_requests():
-                for _ in range(arrivals.get(step, 0)):
-                    name = f"req-{added}"
-                    params = SamplingParams(
-                        temperature=1.0 if added % 2 else 0.0, seed=added, max_tokens=24 + added,
-                        structured_outputs=None if added % 5 == 4 else StructuredOutputsParams(
-                            json=schemas[added % 2], disable_any_whitespace=True))
-                    engine.add_request(name, f"the cat {added} sat", params)
-                    added += 1
-                if step == 7:
-                    engine.abort_request("req-1")
-                for output in engine.step():
-                    if output.finished:
-                        tokens[output.request_id] = list(output.outputs[0].token_ids)
-                step += 1
-            assert engine.scheduler.num_preemptions > 0
-        return tokens, fills
-
-    with_ahead, fills = run(True)
-    in_launch, fills_off = run(False)
+    settings = dict(device="cpu", block_size=8, num_kv_blocks=14)
+    with_ahead, fills, preempted = run_fill_ahead_workload(str(tmp_path), True, **settings)
+    in_launch, fills_off, _ = run_fill_ahead_workload(str(tmp_path), False, **settings)
     assert with_ahead == in_launch
-    assert len(with_ahead) == sum(arrivals.values())
+    assert len(with_ahead) == sum(ARRIVALS.values()) and preempted
     assert fills["ahead"] > 10 and fills["launch"] > 0  # new rows filled in the launch
     assert fills_off["ahead"] == 0
