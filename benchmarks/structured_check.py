@@ -28,8 +28,11 @@ sampling; on CPU it runs them), within it ``advance`` (the matchers consume the 
 step's tokens), ``fill`` and ``apply`` (the mask; on a GPU ``apply`` only queues the
 kernel), ``complete`` (the previous step's tokens: stop checks, outputs), ``wait`` (for
 the device to hand back sampled tokens: inside ``launch`` when the fill needs them,
-inside ``complete`` otherwise) and ``other`` (the rest of ``LLMEngine.step``). On a GPU,
-``fill`` + ``advance`` overlap the forward pass, which runs while the host works.
+inside ``complete`` otherwise) and ``other`` (the rest of ``LLMEngine.step``). On one
+device the matchers advance and fill on a thread of their own as soon as a step is
+launched (``LLMEngine._start_fill_ahead``): ``advance`` and ``fill`` are then that thread's
+time, off the engine thread, and ``join`` (inside ``launch``) is what the launch still
+waits for them; on a GPU they also overlap the forward pass.
 
 The mask's cost depends on the tokenizer (its size and its tokens): the default model is
 the embedded SmolLM2-135M-Instruct (49,152 tokens). ``--model`` takes a model folder, a
@@ -83,7 +86,7 @@ TINY = {
     "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True, "torch_dtype": "float32", "eos_token_id": 0,
 }  # fmt: skip
-PHASES = ("schedule", "launch", "advance", "fill", "apply", "complete", "wait", "other")
+PHASES = ("schedule", "launch", "advance", "fill", "join", "apply", "complete", "wait", "other")
 
 
 def _documents(count: int) -> list[str]:
@@ -223,6 +226,7 @@ def _engine_phases(engine) -> PhaseTimer:
     timer.wrap(engine.grammars, "fill_bitmask", "fill")
     timer.wrap(sampler, "apply_token_bitmask", "apply")
     timer.wrap(engine, "_complete", "complete")
+    timer.wrap(engine, "_join_fill_ahead", "join")
     timer.wrap(llm_engine._LaunchedStep, "result", "wait")
     return timer
 
