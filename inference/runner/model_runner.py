@@ -34,6 +34,7 @@ from inference.models.loader import load_model
 from inference.parallel_state import SINGLE, ParallelContext, kv_head_range
 from inference.runner.cuda_graphs import (
     DECODE_GRAPH_BATCHES,
+    MIXED_GRAPH_TOKENS,
     DecodeHead,
     GraphExtension,
     StepGraphs,
@@ -327,9 +328,13 @@ class ModelRunner:
             if self.loras is not None:
                 self.loras.capturing()
             before = torch.cuda.memory_reserved(self.device)
+            # Block tables as wide as the longest sequence, and as the largest mixed graph
+            # (recorded with all its tokens in one row, which reads that many blocks' worth
+            # of its table: past a narrower table's end when max_model_len is short).
+            width = max(self.config.max_model_len, MIXED_GRAPH_TOKENS[-1])
             self.graphs = StepGraphs(
                 self.forward, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                -(-self.config.max_model_len // self.block_size), self.device, decode_head,
+                -(-width // self.block_size), self.device, decode_head,
             )  # fmt: skip
             # Outside the KV budget: it comes out of the 1 - gpu_memory_utilization margin.
             logger.info(
