@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 # scratch (0.4-0.7x: the host work of the split and the eager step).
 LONG_PREFILL_MIN_QUERIES = 2048
 LONG_PREFILL_MIN_PAIRS = 1 << 25
-# Off in the engine until the GPU differential suite has run on the path (its rows in
-# tests/gpu/test_long_context_gpu.py turn it on for themselves).
-LONG_PREFILL_ENABLED = False
 
 
 @dataclass(frozen=True)
@@ -163,7 +160,7 @@ def long_prefill_min_queries(
     of this shape (one rank's heads) on ``device``: None where it does not (CPU, where the
     reference is the same math either way, or a GPU whose SDPA cannot run it without the
     math backend or gives another result: checked once per shape, ``_sdpa_mode``)."""
-    if not LONG_PREFILL_ENABLED or device.type != "cuda":
+    if device.type != "cuda":
         return None
     if _sdpa_mode(device, dtype, num_heads, num_kv_heads, head_size) is None:
         return None

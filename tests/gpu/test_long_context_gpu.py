@@ -56,7 +56,6 @@ def test_long_prompts_fp32(long_model, monkeypatch, block_size, budget):
 
     calls = []
     sdpa = attention._sdpa_prefill
-    monkeypatch.setattr(attention, "LONG_PREFILL_ENABLED", True)  # off until this row ran
     monkeypatch.setattr(attention, "_sdpa_prefill",
                         lambda q, *args: calls.append(len(q)) or sdpa(q, *args))
     folder, reference = long_model

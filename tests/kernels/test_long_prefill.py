@@ -137,9 +137,6 @@ def test_the_sdpa_mode_is_checked_against_the_reference(monkeypatch) -> None:
     assert attention._sdpa_mode(*args) is None
     attention._sdpa_mode.cache_clear()
     assert attention.long_prefill_min_queries(cpu, *args[1:]) is None  # never on CPU
-    # Off on a GPU until the GPU differential suite has run on it (no probe runs then).
-    assert not attention.LONG_PREFILL_ENABLED
-    assert attention.long_prefill_min_queries(torch.device("cuda"), *args[1:]) is None
 
 
 def test_a_long_prefill_sdpa_fails_on_runs_the_paged_kernel(monkeypatch) -> None:
