@@ -164,8 +164,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         # Structured outputs with async scheduling on one device: once a step is launched,
         # a thread of its own waits for its tokens, advances its matchers by them and fills
-        # their next masks (``_fill_ahead``), while this thread completes the step before
-        # and schedules and launches the next, whose sampler then only takes the masks.
+        # their next masks (``_fill_ahead``), while this thread hands out the step's
+        # outputs and schedules and launches the next, whose sampler then only takes the
+        # masks. (Started after the step before has completed, so that its finishes are
+        # known; that completion itself does not overlap the fill.)
         self._fill_ahead_pool: ThreadPoolExecutor | None = None
         self._filled_ahead: _FillAhead | None = None
         # A live change waiting for its CUDA graphs (``begin_reconfigure``).

@@ -22,8 +22,8 @@ Off the engine's critical path:
 Constrained rows keep async scheduling: the mask for step n+1 needs step n's tokens, but
 the forward pass of step n+1 does not. Once step n is launched (on one device), a thread
 of the engine's waits for its tokens, advances the matchers by them (``advance``, once per
-step) and fills their next masks, while the engine thread completes step n-1 and
-schedules and queues step n+1's forward pass; step n+1's sampler then takes the masks
+step) and fills their next masks, while the engine thread (having completed step n-1)
+hands out outputs and schedules and queues step n+1's forward pass; step n+1's sampler then takes the masks
 (rows the batch gained meanwhile are filled then). So on a GPU the grammar work overlaps
 both the host's other work and the forward pass. Under tensor parallelism the fill runs
 inside the launch, after the forward pass has been queued. A matcher has consumed exactly

@@ -341,7 +341,7 @@ def test_rows_of_one_constraint_are_cloned_from_several_templates(tmp_path):
 
 def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_launch(tmp_path):
     """With async scheduling, a launched step's constrained rows advance and fill their next
-    masks on a thread of their own while the engine thread completes the step before and
+    masks on a thread of their own while the engine thread schedules and
     launches the next. The tokens equal those of filling every mask inside the launch
     (same schedule, so same batches), through arrivals between steps, an abort,
     preemption and rows the batch gained since the fill (filled in the launch)."""
