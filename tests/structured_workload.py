@@ -6,6 +6,7 @@ greedy and seeded, arriving between steps, one aborted; run with the fill ahead 
 from __future__ import annotations
 
 import threading
+import time
 
 from inference import LLM, SamplingParams, StructuredOutputsParams
 
@@ -48,6 +49,12 @@ def run_fill_ahead_workload(
                 added += 1
             if step == 7:
                 engine_.abort_request("req-1")
+            # Matchers are built on a thread pool and a request joins the batch at the first
+            # step after its own is done: wait for them, so both runs schedule alike.
+            deadline = time.monotonic() + 60
+            while any(not future.done() for _, future in engine_._awaiting_grammar):
+                assert time.monotonic() < deadline, "matchers not built in 60 s"
+                time.sleep(0.005)
             for output in engine_.step():
                 if output.finished:
                     tokens[output.request_id] = list(output.outputs[0].token_ids)
