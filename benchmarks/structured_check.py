@@ -266,7 +266,7 @@ def step_constraint(kind: str, output_len: int):
 
 
 def measure_step(engine, batch: int, input_len: int, output_len: int,
-                 grammar: str = "json") -> dict:
+                 grammar: str = "json", in_launch: bool = False) -> dict:
     from inference import SamplingParams
 
     # Prompts the tokenizer can read (a named shape's vocabulary may be larger); no
@@ -277,13 +277,27 @@ def measure_step(engine, batch: int, input_len: int, output_len: int,
     constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                                  detokenize=False,
                                  structured_outputs=step_constraint(grammar, output_len))
+    runs = [("plain", plain), ("constrained", constrained)]
+    if in_launch and engine.runner.concurrent_results:
+        runs.append(("constrained_in_launch", constrained))
     results: dict[str, tuple[list[float], dict]] = {}
-    for name, params in (("plain", plain), ("constrained", constrained)) * 2:
-        prompts = random_prompts(batch, input_len, vocab, seed=batch + len(results))
-        results[name] = _decode_steps(engine, prompts, params)  # second round kept: warm
+    ahead = engine.runner.concurrent_results
+    try:
+        for name, params in runs * 2:
+            # The fill ahead off: masks filled in the launch, as before it existed.
+            engine.runner.concurrent_results = ahead and name != "constrained_in_launch"
+            prompts = random_prompts(batch, input_len, vocab, seed=batch + len(results))
+            results[name] = _decode_steps(engine, prompts, params)  # second round kept: warm
+    finally:
+        engine.runner.concurrent_results = ahead
     plain_ms = statistics.mean(results["plain"][0]) * 1e3
     constrained_ms = statistics.mean(results["constrained"][0]) * 1e3
-    return dict(
+    extra = {}
+    if "constrained_in_launch" in results:
+        extra = dict(step_ms_constrained_in_launch=round(
+                         statistics.mean(results["constrained_in_launch"][0]) * 1e3, 3),
+                     phases_ms_constrained_in_launch=results["constrained_in_launch"][1])
+    return dict(**extra,
         input_len=input_len, output_len=output_len, step_grammar=grammar,
         step_ms_plain=round(plain_ms, 3), step_ms_constrained=round(constrained_ms, 3),
         step_ms_overhead=round(constrained_ms - plain_ms, 3),
@@ -316,6 +330,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="llguidance's threads for batched mask fills (default: the "
                         "engine's, half the CPUs up to 8; 0: llguidance's own, 80%% of the "
                         "CPUs up to 32)")
+    parser.add_argument("--in-launch", action="store_true",
+                        help="also time constrained steps with the masks filled in the "
+                        "launch (the fill ahead off), same engine")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run (Python's default: 0.005 s)")
+    parser.add_argument("--advance", choices=["loop", "par"], default="loop",
+                        help="par: advance the matchers with llguidance's parallel executor "
+                        "(releases the GIL) instead of the engine's loop")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: --model tiny, batches 1 and 8, 16 in / 16 out")
     parser.add_argument("--synthetic-vocab", type=int, default=32_000,
@@ -359,10 +381,26 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     if args.fill_threads is not None:
         engine.grammars.fill_threads = args.fill_threads or None
+    if args.switch_interval is not None:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval)
+    if args.advance == "par":
+        import llguidance.numpy as llg_numpy
+
+        grammars = engine.grammars
+
+        def advance_par(matchers, token_ids):
+            ok = llg_numpy.consume_token_par(grammars._llg_executor(),
+                                             list(zip(matchers, token_ids, strict=True)))
+            return [not a or m.is_stopped() for m, a in zip(matchers, ok)]
+
+        grammars.advance = advance_par
     rows = []
     for batch in batches:
         mask = measure_mask(engine, batch)
-        step = measure_step(engine, batch, args.input_len, args.output_len, args.step_grammar)
+        step = measure_step(engine, batch, args.input_len, args.output_len, args.step_grammar,
+                            args.in_launch)
         rows.append(record("structured_check",
                            model=model if model in SHAPES or model == "tiny" else args.model,
                            tokenizer=tokenizer_kind, device=str(engine.device),
@@ -377,13 +415,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['batch_size']:>5} {r['fill_ms_mean']:>10.3f} {r['fill_ms_p99']:>9.3f} "
               f"{r['apply_ms_mean']:>7.3f} {r['advance_ms_mean']:>8.3f} "
               f"{r['step_ms_plain']:>11.3f} {r['step_ms_constrained']:>13.3f} "
-              f"{r['overhead_pct']:>8.1f}%")
+              f"{r['overhead_pct']:>8.1f}%"
+              + (f"  (in the launch: {r['step_ms_constrained_in_launch']:.3f})"
+                 if "step_ms_constrained_in_launch" in r else ""))
     print(f"\nwhere a decode step's host time goes ({args.step_grammar} constraint), ms per step")
-    print(f"{'batch':>5} {'run':>12} " + " ".join(f"{p:>8}" for p in PHASES))
+    print(f"{'batch':>5} {'run':>21} " + " ".join(f"{p:>8}" for p in PHASES))
     for r in rows:
-        for run_name in ("plain", "constrained"):
-            phases = r[f"phases_ms_{run_name}"]
-            print(f"{r['batch_size']:>5} {run_name:>12} "
+        for run_name in ("plain", "constrained", "constrained_in_launch"):
+            phases = r.get(f"phases_ms_{run_name}")
+            if phases is None:
+                continue
+            print(f"{r['batch_size']:>5} {run_name:>21} "
                   + " ".join(f"{phases[p]:>8.3f}" for p in PHASES))
     return 0
 

@@ -465,6 +465,15 @@ def test_auto_change_that_rolls_out_is_judged_on_the_windows_after_it_and_kept(
     # ones start with --max-num-seqs 8 and the Deployment counts them once they are ready.
     pods_status(cluster, KEPT, updated=0, ready=0)
     engines.roll_out(max_num_seqs=8)
+    # Ready once each new engine has served a few requests: a CPU engine's first batches
+    # of each new size run slow (the kernels' first calls), and the window judged is the
+    # first after the rollout; on a loaded 2-core box that start once halved the tokens
+    # measured there, and the change was reverted.
+    wait_for(
+        lambda: all(finished_requests(url) >= 6 for url in engines.urls),
+        timeout=DEADLINE_S,
+        what="both new engines serving",
+    )
     pods_status(cluster, KEPT, updated=2, ready=2)
     wait_for(
         lambda: live_max_num_seqs(prometheus, KEPT) == {"8"},
@@ -517,6 +526,19 @@ def pods_status(cluster: EmulatedCluster, name: str, *, updated: int, ready: int
         "availableReplicas": ready,
     }
     cluster.patch(path + "/status", {"status": status})
+
+
+def finished_requests(engine_url: str) -> float:
+    """Requests the engine has finished since it started (``vllm:request_success``)."""
+    try:
+        text = httpx.get(f"{engine_url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
 
 
 def live_max_num_seqs(prometheus: str, name: str) -> set[str]:
