@@ -50,6 +50,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -86,6 +87,8 @@ TINY = {
     "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True, "torch_dtype": "float32", "eos_token_id": 0,
 }  # fmt: skip
+# Every decode run's (phase, thread, start, end) spans when --timeline is given.
+TIMELINE: list | None = None
 PHASES = ("schedule", "launch", "advance", "fill", "join", "apply", "complete", "wait", "other")
 
 
@@ -190,6 +193,8 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        # (phase, thread name, start, end) of every call, when a timeline is wanted
+        self.events: list[tuple[str, str, float, float]] | None = None
         self._undo: list[Callable[[], None]] = []
 
     def wrap(self, owner: object, attr: str, phase: str) -> None:
@@ -197,13 +202,18 @@ class PhaseTimer:
             return  # not in this engine: the phase stays 0 and shows under "other"
         original = getattr(owner, attr)
         seconds = self.seconds
+        timer = self
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds[phase] += time.perf_counter() - start
+                end = time.perf_counter()
+                seconds[phase] += end - start
+                if timer.events is not None:
+                    timer.events.append(
+                        (phase, threading.current_thread().name, start, end))
 
         had_own = attr in vars(owner)
         setattr(owner, attr, timed)
@@ -228,6 +238,11 @@ def _engine_phases(engine) -> PhaseTimer:
     timer.wrap(engine, "_complete", "complete")
     timer.wrap(engine, "_join_fill_ahead", "join")
     timer.wrap(llm_engine._LaunchedStep, "result", "wait")
+    if TIMELINE is not None:  # finer spans, for the timeline only (not phases)
+        timer.wrap(engine.grammars, "_empty_bitmask", "alloc")
+        timer.wrap(engine, "_start_fill_ahead", "start_ahead")
+        timer.wrap(engine, "_emit", "emit")
+        timer.events = []
     return timer
 
 
@@ -243,9 +258,13 @@ def _decode_steps(engine, prompts: list[list[int]], params) -> tuple[list[float]
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
+            if timer.events is not None:
+                timer.events.append(("step", "engine", start, start + times[-1]))
             phases.append({k: v - before.get(k, 0.0) for k, v in timer.seconds.items()})
     finally:
         timer.restore()
+    if timer.events is not None and TIMELINE is not None:
+        TIMELINE.append(timer.events)
     # The first steps prefill (and admit the grammar requests); the last drain.
     keep = slice(3, -2) if len(times) > 8 else slice(None)
     times, phases = times[keep], phases[keep]
@@ -338,6 +357,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--advance", choices=["loop", "par"], default="loop",
                         help="par: advance the matchers with llguidance's parallel executor "
                         "(releases the GIL) instead of the engine's loop")
+    parser.add_argument("--timeline", default=None,
+                        help="write every decode run's spans per thread here (JSON)")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: --model tiny, batches 1 and 8, 16 in / 16 out")
     parser.add_argument("--synthetic-vocab", type=int, default=32_000,
@@ -381,6 +402,9 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     if args.fill_threads is not None:
         engine.grammars.fill_threads = args.fill_threads or None
+    global TIMELINE
+    if args.timeline:
+        TIMELINE = []
     if args.switch_interval is not None:
         import sys
 
@@ -407,6 +431,8 @@ def run(args: argparse.Namespace) -> int:
                            fill_threads=engine.grammars.fill_threads or "llguidance default",
                            vocab_size=engine.model_config.vocab_size, **mask, **step))
     write_json(args.out, rows)
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(TIMELINE))
     print(f"\nstructured outputs on {engine.device} ({model}, model vocab "
           f"{engine.model_config.vocab_size}, tokenizer {tokenizer_kind}); ms per step")
     print(f"{'batch':>5} {'fill mean':>10} {'fill p99':>9} {'apply':>7} {'advance':>8} "

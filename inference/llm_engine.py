@@ -164,10 +164,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         # Structured outputs with async scheduling on one device: once a step is launched,
         # a thread of its own waits for its tokens, advances its matchers by them and fills
-        # their next masks (``_fill_ahead``), while this thread hands out the step's
-        # outputs and schedules and launches the next, whose sampler then only takes the
-        # masks. (Started after the step before has completed, so that its finishes are
-        # known; that completion itself does not overlap the fill.)
+        # their next masks (``_fill_ahead``), while this thread completes the step before
+        # (outputs, stop checks) and schedules and launches the next, whose sampler then
+        # only takes the masks. A mask needs the token before it, so each step's fill is
+        # on the critical path; only the host's other work can hide beside it.
         self._fill_ahead_pool: ThreadPoolExecutor | None = None
         self._filled_ahead: _FillAhead | None = None
         # A live change waiting for its CUDA graphs (``begin_reconfigure``).
@@ -370,13 +370,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         previous, self._in_flight = self._in_flight, launched
+        overlapped = launched is not None and self.async_scheduling and not launched.needs_sync
+        if overlapped and launched.has_grammar:
+            # Before the previous step completes, so the fill overlaps that too.
+            self._start_fill_ahead(launched, previous)
         if previous is not None:
             self._complete(previous, outputs)
-        if launched is not None and (not self.async_scheduling or launched.needs_sync):
+        if launched is not None and not overlapped:
             self._in_flight = None
             self._complete(launched, outputs)
-        if self._in_flight is not None and self._in_flight.has_grammar:
-            self._start_fill_ahead(self._in_flight)
         return outputs
 
     def _propose_drafts(self, outputs: list[RequestOutput]) -> None:
@@ -520,16 +522,26 @@ class LLMEngine:
             mask[missing] = self.grammars.fill_bitmask([matchers[i] for i in missing])
         return mask
 
-    def _start_fill_ahead(self, step: _LaunchedStep) -> None:
+    def _start_fill_ahead(self, step: _LaunchedStep, previous: _LaunchedStep | None) -> None:
         """On a thread of its own: wait for the launched ``step``'s tokens, advance its
         constrained sequences' matchers by them and fill their next masks. Only that
-        thread touches those matchers until ``_join_fill_ahead``. Steps verifying drafts
-        (reading them splits rows) and executors whose results must be read on the
-        launching thread keep the fill inside the next launch."""
+        thread touches those matchers until ``_join_fill_ahead`` (the engine thread's
+        completion of ``previous`` meanwhile reads only what the matchers said then:
+        ``grammar_ended``). Sequences whose grammar ended with ``previous``'s token are
+        left out: their next token is past the end and they finish with ``previous``.
+        Steps verifying drafts (reading them splits rows) and executors whose results
+        must be read on the launching thread keep the fill inside the next launch."""
         if (not self.runner.concurrent_results or step.split is not None
                 or step.grammar_ended is not None):
             return
-        rows = self._grammar_rows(step)
+        if self._filled_ahead is not None:
+            # A fill no launch took (the launch had no constrained rows): its matchers'
+            # advance must be done before this one starts; its masks are not wanted.
+            self._join_fill_ahead(None)
+        ended = set()
+        if previous is not None and previous.grammar_ended:
+            ended = {id(previous.seqs[row]) for row, end in previous.grammar_ended.items() if end}
+        rows = [i for i in self._grammar_rows(step) if id(step.seqs[i]) not in ended]
         if not rows:
             return
         if self._fill_ahead_pool is None:
@@ -542,7 +554,7 @@ class LLMEngine:
         self._advance_grammars(step, rows)
         return self.grammars.fill_bitmask(matchers)
 
-    def _join_fill_ahead(self, step: _LaunchedStep) -> tuple[list, np.ndarray] | None:
+    def _join_fill_ahead(self, step: _LaunchedStep | None) -> tuple[list, np.ndarray] | None:
         """Wait for a fill ahead of ``step`` (its matchers and their masks) or for any
         other still running (whose masks are dropped); None when none ran for ``step``."""
         ahead, self._filled_ahead = self._filled_ahead, None
@@ -577,8 +589,8 @@ class LLMEngine:
         """Put a launched step's sampled tokens in place of their placeholders, then let the
         output processor take each one in (text, logprobs, stop conditions) and emit
         outputs; sequences that stopped leave the scheduler."""
-        if self._filled_ahead is not None:
-            self._join_fill_ahead(step)  # its masks, if any, are for a launch that did not come
+        if self._filled_ahead is not None and self._filled_ahead.step is step:
+            self._join_fill_ahead(step)  # its masks are for a launch that did not come
         sampled = step.result()
         self.device_wait_s_total += step.wait_s
         if sampled is None:

@@ -22,8 +22,8 @@ ARRIVALS = {0: 3, 2: 2, 5: 3, 9: 2}  # step -> how many requests arrive before i
 def run_fill_ahead_workload(
     folder: str, ahead: bool, **engine
 ) -> tuple[dict[str, list[int]], dict[str, int], bool]:
-    """Each finished request's tokens, how many fills ran ahead and in the launch, and
-    whether the scheduler preempted."""
+    """Each finished request's tokens, how many fills ran ahead and in the launch and how
+    many masks filled ahead were taken, and whether the scheduler preempted."""
     with LLM(folder, max_model_len=64, max_num_seqs=6, **engine) as llm:
         engine_ = llm.engine
         assert engine_.async_scheduling and engine_.runner.concurrent_results
@@ -37,6 +37,15 @@ def run_fill_ahead_workload(
             return fill(matchers)
 
         engine_.grammars.fill_bitmask = counted
+        join = engine_._join_fill_ahead
+        fills["taken"] = 0
+
+        def taken(step):  # masks a launch (or a completion) took from a fill ahead
+            result = join(step)
+            fills["taken"] += result is not None
+            return result
+
+        engine_._join_fill_ahead = taken
         tokens: dict[str, list[int]] = {}
         step = added = 0
         while step <= max(ARRIVALS) or engine_.has_unfinished_requests():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
 import time
 
@@ -339,7 +340,7 @@ def test_rows_of_one_constraint_are_cloned_from_several_templates(tmp_path):
     compiler.close()
 
 
-def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_launch(tmp_path):
+def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_launch(tmp_path, caplog):
     """With async scheduling, a launched step's constrained rows advance and fill their next
     masks on a thread of their own while the engine thread schedules and
     launches the next. The tokens equal those of filling every mask inside the launch
@@ -349,9 +350,16 @@ def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_launch(tmp_pa
 
     build_tiny_model(tmp_path, "llama")
     settings = dict(device="cpu", block_size=8, num_kv_blocks=14)
-    with_ahead, fills, preempted = run_fill_ahead_workload(str(tmp_path), True, **settings)
-    in_launch, fills_off, _ = run_fill_ahead_workload(str(tmp_path), False, **settings)
+    with caplog.at_level(logging.ERROR, logger="inference"):
+        with_ahead, fills, preempted = run_fill_ahead_workload(str(tmp_path), True, **settings)
+        in_launch, fills_off, _ = run_fill_ahead_workload(str(tmp_path), False, **settings)
     assert with_ahead == in_launch
     assert len(with_ahead) == sum(ARRIVALS.values()) and preempted
+    # The fill starts before the step before completes: a row whose grammar ended with
+    # that step's token must not be fed the token after it.
+    assert not [r.getMessage() for r in caplog.records if "rejected by the grammar" in r.getMessage()]
     assert fills["ahead"] > 10 and fills["launch"] > 0  # new rows filled in the launch
+    # The fill starts before the step before completes; that completion must not take
+    # (and drop) the masks meant for the next launch.
+    assert fills["taken"] >= fills["ahead"] - 2
     assert fills_off["ahead"] == 0

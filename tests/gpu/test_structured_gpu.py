@@ -26,5 +26,5 @@ def test_masks_filled_ahead_on_a_gpu(tmp_path):
     in_launch, _, _ = run_fill_ahead_workload(str(tmp_path), False, **settings)
     assert with_ahead == in_launch
     assert len(with_ahead) == sum(ARRIVALS.values())
-    assert fills["ahead"] > 10
+    assert fills["ahead"] > 10 and fills["taken"] >= fills["ahead"] - 2
     print(f"\nfills {fills}, preempted {preempted}")
