@@ -87,8 +87,6 @@ TINY = {
     "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True, "torch_dtype": "float32", "eos_token_id": 0,
 }  # fmt: skip
-# Every decode run's (phase, thread, start, end) spans when --timeline is given.
-TIMELINE: list | None = None
 PHASES = ("schedule", "launch", "advance", "fill", "join", "apply", "complete", "wait", "other")
 
 
@@ -226,7 +224,7 @@ class PhaseTimer:
             self._undo.pop()()
 
 
-def _engine_phases(engine) -> PhaseTimer:
+def _engine_phases(engine, spans: bool = False) -> PhaseTimer:
     from inference import llm_engine, sampler
 
     timer = PhaseTimer()
@@ -238,7 +236,7 @@ def _engine_phases(engine) -> PhaseTimer:
     timer.wrap(engine, "_complete", "complete")
     timer.wrap(engine, "_join_fill_ahead", "join")
     timer.wrap(llm_engine._LaunchedStep, "result", "wait")
-    if TIMELINE is not None:  # finer spans, for the timeline only (not phases)
+    if spans:  # finer spans, for the timeline only (not phases)
         timer.wrap(engine.grammars, "_empty_bitmask", "alloc")
         timer.wrap(engine, "_start_fill_ahead", "start_ahead")
         timer.wrap(engine, "_emit", "emit")
@@ -246,11 +244,13 @@ def _engine_phases(engine) -> PhaseTimer:
     return timer
 
 
-def _decode_steps(engine, prompts: list[list[int]], params) -> tuple[list[float], dict]:
+def _decode_steps(
+    engine, prompts: list[list[int]], params, timeline: list | None = None
+) -> tuple[list[float], dict]:
     """Per-step times of a batch's decode, and the mean ms per step of each phase."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
-    timer = _engine_phases(engine)
+    timer = _engine_phases(engine, spans=timeline is not None)
     times, phases = [], []
     try:
         while engine.has_unfinished_requests():
@@ -263,8 +263,8 @@ def _decode_steps(engine, prompts: list[list[int]], params) -> tuple[list[float]
             phases.append({k: v - before.get(k, 0.0) for k, v in timer.seconds.items()})
     finally:
         timer.restore()
-    if timer.events is not None and TIMELINE is not None:
-        TIMELINE.append(timer.events)
+    if timeline is not None:  # every decode run's (phase, thread, start, end) spans
+        timeline.append(timer.events)
     # The first steps prefill (and admit the grammar requests); the last drain.
     keep = slice(3, -2) if len(times) > 8 else slice(None)
     times, phases = times[keep], phases[keep]
@@ -285,7 +285,8 @@ def step_constraint(kind: str, output_len: int):
 
 
 def measure_step(engine, batch: int, input_len: int, output_len: int,
-                 grammar: str = "json", in_launch: bool = False) -> dict:
+                 grammar: str = "json", in_launch: bool = False,
+                 timeline: list | None = None) -> dict:
     from inference import SamplingParams
 
     # Prompts the tokenizer can read (a named shape's vocabulary may be larger); no
@@ -306,7 +307,7 @@ def measure_step(engine, batch: int, input_len: int, output_len: int,
             # The fill ahead off: masks filled in the launch, as before it existed.
             engine.runner.concurrent_results = ahead and name != "constrained_in_launch"
             prompts = random_prompts(batch, input_len, vocab, seed=batch + len(results))
-            results[name] = _decode_steps(engine, prompts, params)  # second round kept: warm
+            results[name] = _decode_steps(engine, prompts, params, timeline)  # 2nd kept: warm
     finally:
         engine.runner.concurrent_results = ahead
     plain_ms = statistics.mean(results["plain"][0]) * 1e3
@@ -352,11 +353,6 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--in-launch", action="store_true",
                         help="also time constrained steps with the masks filled in the "
                         "launch (the fill ahead off), same engine")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="sys.setswitchinterval for the run (Python's default: 0.005 s)")
-    parser.add_argument("--advance", choices=["loop", "par"], default="loop",
-                        help="par: advance the matchers with llguidance's parallel executor "
-                        "(releases the GIL) instead of the engine's loop")
     parser.add_argument("--timeline", default=None,
                         help="write every decode run's spans per thread here (JSON)")
     parser.add_argument("--smoke", action="store_true",
@@ -402,29 +398,12 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     if args.fill_threads is not None:
         engine.grammars.fill_threads = args.fill_threads or None
-    global TIMELINE
-    if args.timeline:
-        TIMELINE = []
-    if args.switch_interval is not None:
-        import sys
-
-        sys.setswitchinterval(args.switch_interval)
-    if args.advance == "par":
-        import llguidance.numpy as llg_numpy
-
-        grammars = engine.grammars
-
-        def advance_par(matchers, token_ids):
-            ok = llg_numpy.consume_token_par(grammars._llg_executor(),
-                                             list(zip(matchers, token_ids, strict=True)))
-            return [not a or m.is_stopped() for m, a in zip(matchers, ok)]
-
-        grammars.advance = advance_par
+    timeline: list | None = [] if args.timeline else None
     rows = []
     for batch in batches:
         mask = measure_mask(engine, batch)
         step = measure_step(engine, batch, args.input_len, args.output_len, args.step_grammar,
-                            args.in_launch)
+                            args.in_launch, timeline)
         rows.append(record("structured_check",
                            model=model if model in SHAPES or model == "tiny" else args.model,
                            tokenizer=tokenizer_kind, device=str(engine.device),
@@ -432,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
                            vocab_size=engine.model_config.vocab_size, **mask, **step))
     write_json(args.out, rows)
     if args.timeline:
-        Path(args.timeline).write_text(json.dumps(TIMELINE))
+        Path(args.timeline).write_text(json.dumps(timeline))
     print(f"\nstructured outputs on {engine.device} ({model}, model vocab "
           f"{engine.model_config.vocab_size}, tokenizer {tokenizer_kind}); ms per step")
     print(f"{'batch':>5} {'fill mean':>10} {'fill p99':>9} {'apply':>7} {'advance':>8} "

@@ -535,8 +535,8 @@ class LLMEngine:
                 or step.grammar_ended is not None):
             return
         if self._filled_ahead is not None:
-            # A fill no launch took (the launch had no constrained rows): its matchers'
-            # advance must be done before this one starts; its masks are not wanted.
+            # Not expected (this launch joined the fill for the step before), but two
+            # fills must never share matchers: wait for it; its masks are not wanted.
             self._join_fill_ahead(None)
         ended = set()
         if previous is not None and previous.grammar_ended:
